@@ -1,0 +1,11 @@
+"""mlm_jax: a JAX/XLA trainer for large transformers (tensor, sequence, data/FSDP parallelism and more)."""
+from mlm_jax.config import Config, ConfigError, load_config
+
+__all__ = ["Config", "ConfigError", "Trainer", "load_config"]
+
+
+def __getattr__(name):
+    if name == "Trainer":  # keeps `import mlm_jax` light: jax loads on first use
+        from mlm_jax.train.loop import Trainer
+        return Trainer
+    raise AttributeError(name)

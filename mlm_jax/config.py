@@ -1,0 +1,304 @@
+"""Run configuration: frozen dataclasses per section, YAML files, dotted `section.key=value` overrides.
+
+Every user mistake raises `ConfigError` with one line naming the key, the value and what is allowed; the CLI
+turns it into `error: ...` and exit code 2. Checks that need the device count live in `parallel/mesh.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message is one line."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder shape. `num_kv_heads` and `head_dim` default to `num_heads` and `hidden_size // num_heads`."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_size: int = 384
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    activation: str = "swiglu"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    init_std: float = 0.02
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    attention_impl: str = "auto"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh degrees (one may be -1 = the remaining devices) and the rules table (preset name or overrides)."""
+
+    data: int = -1
+    stage: int = 1
+    fsdp: int = 1
+    context: int = 1
+    expert: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False
+    shard_optimizer: bool = False
+    rules: Any = "default"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Steps and batch. `micro_batch_size` is per data-parallel replica, as in Megatron-LM; None = no accumulation."""
+
+    steps: int = 200
+    global_batch_size: int = 16
+    micro_batch_size: int | None = None
+    seq_len: int = 128
+    seed: int = 0
+    output_dir: str | None = None
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with a warmup then cosine, warmup-stable-decay (last `decay_fraction` of steps) or constant."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data. With nothing else configured: the embedded corpus (the standard library's sources)."""
+
+    validation_fraction: float = 0.05
+    max_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoint settings (none yet: runs do not save checkpoints)."""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    sharding_report: bool = False
+    progress: str = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {k: v for k, v in typing.get_type_hints(Config).items() if k != "name"}
+SECTIONS = tuple(_SECTION_TYPES)
+
+CHOICES = {
+    "model.norm": ("rmsnorm", "layernorm"),
+    "model.activation": ("swiglu", "gelu"),
+    "model.dtype": DTYPES,
+    "model.param_dtype": DTYPES,
+    "model.remat": ("none", "dots", "full"),
+    "model.attention_impl": ("auto", "cudnn", "xla"),
+    "optim.schedule": ("cosine", "wsd", "constant"),
+    "log.progress": ("auto", "always", "never"),
+}
+
+POSITIVE = (
+    "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+    "model.head_dim", "model.ffn_size", "train.steps", "train.global_batch_size", "train.micro_batch_size",
+    "train.seq_len", "train.log_every", "train.eval_every", "train.eval_batches",
+)
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, t in _SECTION_TYPES.items() for f in dataclasses.fields(t)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys() + list(SECTIONS), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _type_name(tp) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if args else tp
+    name = getattr(base, "__name__", str(base))
+    if name == "Any":
+        return "a preset name or a list of rules"
+    return f"{name} or null" if type(None) in typing.get_args(tp) else name
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check `value` against the field type; ints widen to floats, '1e-3' strings parse as floats."""
+    if tp is Any:
+        return value
+    optional = isinstance(tp, types.UnionType) and type(None) in typing.get_args(tp)
+    base = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if optional else tp
+    if value is None:
+        if optional:
+            return None
+    elif base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
+
+
+def _apply(cfg: Config, key: str, value: Any) -> Config:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name or "." in name:
+        raise _unknown(key)
+    sec = getattr(cfg, section)
+    hints = typing.get_type_hints(type(sec))
+    if name not in hints:
+        raise _unknown(key)
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, **{name: _coerce(key, value, hints[name])})})
+
+
+def _load_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ConfigError(f"--config {path}: malformed YAML{where}") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read ({e.strerror})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _parse_override(arg: str) -> tuple[str, Any]:
+    key, eq, raw = arg.partition("=")
+    if not eq or not key:
+        raise ConfigError(f"argument {arg!r}: expected section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Defaults, then the YAML file at `path`, then `section.key=value` overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        path = os.fspath(path)
+        cfg = dataclasses.replace(cfg, name=os.path.splitext(os.path.basename(path))[0])
+        for section, values in _load_yaml(path).items():
+            if section not in SECTIONS:
+                raise _unknown(str(section))
+            if not isinstance(values, dict):
+                raise ConfigError(f"{section}: expected a mapping of keys, got {values!r}")
+            for name, value in values.items():
+                cfg = _apply(cfg, f"{section}.{name}", value)
+    for arg in overrides:
+        cfg = _apply(cfg, *_parse_override(arg))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no devices."""
+    flat = {f"{s}.{k}": v for s, sec in cfg.to_dict().items() if isinstance(sec, dict) for k, v in sec.items()}
+    for key, allowed in CHOICES.items():
+        if flat[key] not in allowed:
+            raise ConfigError(f"{key}={flat[key]!r}: expected one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if flat[key] is not None and flat[key] <= 0:
+            raise ConfigError(f"{key}={flat[key]}: must be positive")
+    m = cfg.model
+    if m.head_dim is None and m.hidden_size % m.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; set model.head_dim")
+    if m.num_heads % m.kv_heads:
+        raise ConfigError(f"model.num_kv_heads={m.kv_heads} must divide model.num_heads={m.num_heads}")
+    if m.dim_per_head % 2:
+        raise ConfigError(f"model.head_dim={m.dim_per_head}: rotary embeddings need an even head dimension")
+    p = cfg.parallel
+    degrees = {k: getattr(p, k) for k in ("data", "stage", "fsdp", "context", "expert", "tensor")}
+    for k, v in degrees.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallel.{k}={v}: expected a positive degree or -1 (the remaining devices)")
+    if sum(v == -1 for v in degrees.values()) > 1:
+        many = ", ".join(f"parallel.{k}" for k, v in degrees.items() if v == -1)
+        raise ConfigError(f"more than one degree is -1 ({many}); at most one may take the remaining devices")
+    if not (0 < cfg.data.validation_fraction < 1):
+        raise ConfigError(f"data.validation_fraction={cfg.data.validation_fraction}: expected a number in (0, 1)")
+    o = cfg.optim
+    if not (0 <= o.decay_fraction <= 1):
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction}: expected a number in [0, 1]")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    if o.clip_grad is not None and o.clip_grad <= 0:
+        raise ConfigError(f"optim.clip_grad={o.clip_grad}: must be positive or null")
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,68 @@
+"""Causal self-attention with GQA/MQA, RoPE and optional QK-norm; one kernel entry point, `attend`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlm_jax.layers import axes as ax
+from mlm_jax.layers.linear import Linear
+from mlm_jax.layers.norm import Norm
+from mlm_jax.layers.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    dim: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    qk_norm: bool
+    norm_eps: float
+    impl: str  # auto | cudnn | xla
+
+
+def kernel_for(impl: str, dtype) -> str:
+    """'auto' takes cuDNN flash attention on GPUs for 16-bit inputs and XLA's fused softmax elsewhere."""
+    if impl != "auto":
+        return impl
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str) -> jax.Array:
+    """Causal attention; K/V heads may be fewer than query heads (GQA), never repeated in memory."""
+    return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True,
+                                        implementation=kernel_for(impl, q_BSNH.dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, c: AttentionConfig, *, std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs):
+        self.c = c
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q = Linear("bsd,dnh->bsnh", (c.dim, c.num_heads, c.head_dim), (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
+                        std=std, **kw)
+        self.k = Linear("bsd,dkh->bskh", (c.dim, c.kv_heads, c.head_dim), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+                        std=std, **kw)
+        self.v = Linear("bsd,dkh->bskh", (c.dim, c.kv_heads, c.head_dim), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+                        std=std, **kw)
+        self.o = Linear("bsnh,nhd->bsd", (c.num_heads, c.head_dim, c.dim), (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
+                        std=out_std, **kw)
+        if c.qk_norm:
+            nkw = dict(kind="rmsnorm", eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.q_norm, self.k_norm = Norm(c.head_dim, **nkw), Norm(c.head_dim, **nkw)
+
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+        q_BSNH = ax.constrain(self.q(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
+        k_BSKH = ax.constrain(self.k(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
+        v_BSKH = ax.constrain(self.v(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
+        if self.c.qk_norm:
+            q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
+        q_BSNH = apply_rope(q_BSNH, positions_BS, self.c.rope_theta)
+        k_BSKH = apply_rope(k_BSKH, positions_BS, self.c.rope_theta)
+        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl)
+        out_BSNH = ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
+        return self.o(out_BSNH)

@@ -1,0 +1,42 @@
+"""Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+
+from mlm_jax.layers import axes as ax
+from mlm_jax.layers.attention import Attention, AttentionConfig
+from mlm_jax.layers.mlp import MLP
+from mlm_jax.layers.norm import Norm
+
+RESIDUAL = (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED)  # sequence-parallel region
+GATHERED = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)  # input of the tensor-parallel matmuls
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    attention: AttentionConfig
+    ffn_size: int
+    activation: str
+    norm: str
+    norm_eps: float
+    init_std: float
+    out_std: float  # output projections are scaled down with depth (GPT-2 / Megatron init)
+
+
+class Block(nnx.Module):
+    def __init__(self, c: BlockConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        nkw = dict(kind=c.norm, eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        kw = dict(std=c.init_std, out_std=c.out_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn_norm = Norm(c.attention.dim, **nkw)
+        self.attn = Attention(c.attention, **kw)
+        self.mlp_norm = Norm(c.attention.dim, **nkw)
+        self.mlp = MLP(c.attention.dim, c.ffn_size, activation=c.activation, **kw)
+
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+        h_BSD = ax.constrain(self.attn_norm(x_BSD), GATHERED)
+        x_BSD = ax.constrain(x_BSD + self.attn(h_BSD, positions_BS), RESIDUAL)
+        h_BSD = ax.constrain(self.mlp_norm(x_BSD), GATHERED)
+        return ax.constrain(x_BSD + self.mlp(h_BSD), RESIDUAL)

@@ -1,0 +1,24 @@
+"""Token embedding (vocab-parallel when `vocab` maps to the tensor axis) and the output head."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlm_jax.layers import axes as ax
+from mlm_jax.layers.linear import param
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab_size: int, dim: int, *, std: float, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.embedding = param(std * jax.random.normal(rngs.params(), (vocab_size, dim), param_dtype),
+                               (ax.VOCAB, ax.EMBED))
+
+    def __call__(self, tokens_BS: jax.Array) -> jax.Array:
+        x_BSD = jnp.take(self.embedding[...], tokens_BS, axis=0).astype(self.dtype)
+        return ax.constrain(x_BSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
+
+    def attend(self, x_BSD: jax.Array) -> jax.Array:
+        """Logits through the transposed embedding (tied embeddings)."""
+        return jnp.einsum("bsd,vd->bsv", x_BSD, self.embedding[...].astype(self.dtype))

@@ -1,0 +1,28 @@
+"""Feed-forward block: SwiGLU (Llama) or GeLU (GPT-2); Megatron column (in) / row (out) split over `mlp`."""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from mlm_jax.layers import axes as ax
+from mlm_jax.layers.linear import Linear
+
+
+class MLP(nnx.Module):
+    def __init__(self, dim: int, ffn: int, *, activation: str, std: float, out_std: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        self.activation = activation
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.up = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)
+        if activation == "swiglu":
+            self.gate = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)
+        self.down = Linear("bsf,fd->bsd", (ffn, dim), (ax.MLP, ax.EMBED), std=out_std, **kw)
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        h_BSF = self.up(x_BSD)
+        if self.activation == "swiglu":
+            h_BSF = jax.nn.silu(self.gate(x_BSD)) * h_BSF
+        else:
+            h_BSF = jax.nn.gelu(h_BSF)
+        h_BSF = ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))
+        return self.down(h_BSF)

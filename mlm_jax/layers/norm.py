@@ -1,0 +1,29 @@
+"""RMSNorm and LayerNorm over the last dim, statistics in fp32."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlm_jax.layers import axes as ax
+from mlm_jax.layers.linear import param
+
+
+class Norm(nnx.Module):
+    """`kind` is 'rmsnorm' (scale only, Llama) or 'layernorm' (scale and bias, GPT-2)."""
+
+    def __init__(self, dim: int, *, kind: str, eps: float, dtype, param_dtype):
+        self.kind, self.eps, self.dtype = kind, eps, dtype
+        self.scale = param(jnp.ones((dim,), param_dtype), (ax.NORM,))
+        if kind == "layernorm":
+            self.bias = param(jnp.zeros((dim,), param_dtype), (ax.NORM,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            x32 = x32 - x32.mean(-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
+        y = y * self.scale[...].astype(jnp.float32)
+        if self.kind == "layernorm":
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype)

@@ -1,0 +1,70 @@
+"""Decoder-only transformer: embedding, a scan over stacked blocks, final norm, output head.
+
+Shapes: B batch, S sequence, D model, V vocabulary, L layers.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlm_jax.config import ModelConfig
+from mlm_jax.layers import axes as ax
+from mlm_jax.layers.attention import AttentionConfig
+from mlm_jax.layers.block import Block, BlockConfig
+from mlm_jax.layers.embed import Embed
+from mlm_jax.layers.linear import Linear
+from mlm_jax.layers.norm import Norm
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute everything
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs, recompute the rest
+}
+
+
+def block_config(m: ModelConfig) -> BlockConfig:
+    attention = AttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads,
+                                head_dim=m.dim_per_head, rope_theta=m.rope_theta, qk_norm=m.qk_norm,
+                                norm_eps=m.norm_eps, impl=m.attention_impl)
+    return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
+                       norm_eps=m.norm_eps, init_std=m.init_std,
+                       out_std=m.init_std / math.sqrt(2 * m.num_layers))
+
+
+class Transformer(nnx.Module):
+    """`model(tokens_BS) -> logits_BSV`; block parameters are stacked along a leading `layers` dim."""
+
+    def __init__(self, m: ModelConfig, *, rngs: nnx.Rngs):
+        self.remat = m.remat
+        dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
+        bc = block_config(m)
+        self.embed = Embed(m.vocab_size, m.hidden_size, std=m.init_std, dtype=dtype, param_dtype=param_dtype,
+                           rngs=rngs)
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
+        def stacked(key):
+            return Block(bc, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=key))
+
+        self.blocks = stacked(jax.random.split(rngs.params(), m.num_layers))
+        self.final_norm = Norm(m.hidden_size, kind=m.norm, eps=m.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        if not m.tie_embeddings:
+            self.head = Linear("bsd,dv->bsv", (m.hidden_size, m.vocab_size), (ax.EMBED, ax.VOCAB),
+                               std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+        x_BSD = self.embed(tokens_BS)
+        graphdef, stacked_state = nnx.split(self.blocks)
+
+        def layer(x_BSD, layer_state):
+            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS)
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x_BSD, _ = jax.lax.scan(lambda x, s: (layer(x, s), None), x_BSD, stacked_state)
+        x_BSD = ax.constrain(self.final_norm(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        logits_BSV = self.embed.attend(x_BSD) if not hasattr(self, "head") else self.head(x_BSD)
+        return ax.constrain(logits_BSV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))

@@ -1,0 +1,1 @@
+"""Training: state, step, loop, optimizer, loss, metrics. `python -m mlm_jax.train` runs it."""

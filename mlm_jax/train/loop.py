@@ -1,0 +1,182 @@
+"""`Trainer`: builds mesh, sharded state, data and the compiled step from a Config, then runs the loop."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from mlm_jax import data as data_lib
+from mlm_jax.config import Config, ConfigError, to_yaml
+from mlm_jax.layers import axes as ax
+from mlm_jax.parallel import sharding as shd
+from mlm_jax.parallel.mesh import accumulation_steps, build_mesh, resolve_degrees
+from mlm_jax.parallel.rules import make_rules, resolve
+from mlm_jax.train import metrics as mt
+from mlm_jax.train.optimizer import make_optimizer, schedule
+from mlm_jax.train.state import (TrainState, init_params, init_state, model_spec, opt_state_shardings,
+                                 state_shardings)
+from mlm_jax.train.step import make_eval_step, make_train_step
+
+
+class Trainer:
+    """Notebook and CLI entry point: `Trainer(cfg).fit()`, `.evaluate()`, `.model`, `.state`."""
+
+    def __init__(self, cfg: Config, devices=None):
+        devices = list(devices) if devices is not None else jax.devices()
+        self.degrees = resolve_degrees(cfg, len(devices))
+        self.accum_steps = accumulation_steps(cfg, self.degrees)
+        if cfg.train.output_dir is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=f"runs/{cfg.name}-{stamp}"))
+        self.cfg = cfg
+        self.is_main = jax.process_index() == 0
+        self.mesh = build_mesh(self.degrees, devices)
+        self.rules = make_rules(cfg.parallel.rules, cfg.parallel.sequence_parallel)
+        self.resolver = shd.activation_resolver(self.mesh, self.rules)
+
+        self._build_data()
+        self._build_state()
+        self._build_steps()
+
+        self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.spec.shapes))
+        t = cfg.train
+        self.flops_per_token = mt.flops_per_token(cfg.model, self.num_params, t.seq_len)
+        self.peak = mt.peak_flops(devices[0].device_kind) if devices[0].platform == "gpu" else None
+        if self.is_main:
+            os.makedirs(t.output_dir, exist_ok=True)
+            with open(os.path.join(t.output_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(cfg))
+        self.log = mt.MetricsLog(t.output_dir, t.steps, cfg.log.progress, enabled=self.is_main)
+
+    # -- construction --------------------------------------------------------------------------------------------
+    def _build_data(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        tokenizer = data_lib.ByteTokenizer()
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
+                              f"{tokenizer.vocab_size} tokens")
+        try:
+            self.corpus = data_lib.load_stdlib_corpus(cfg.data.validation_fraction, cfg.data.max_bytes)
+            self.loader = data_lib.StepLoader(self.corpus.train, t.seq_len, t.global_batch_size, t.seed)
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from None
+        shape_of = shd.mesh_shape(self.mesh)
+        self.batch_sharding = NamedSharding(
+            self.mesh, resolve((ax.ACT_BATCH, None), self.rules, shape_of, (t.global_batch_size, t.seq_len)))
+
+    def _build_state(self) -> None:
+        cfg, mesh = self.cfg, self.mesh
+        self.spec = model_spec(cfg.model)
+        self.param_specs = shd.param_specs(self.spec.names, self.spec.shapes, mesh, self.rules)
+        if cfg.parallel.shard_optimizer:
+            self.master_specs = jax.tree.map(lambda s, x: shd.zero1_spec(s, x.shape, mesh), self.param_specs,
+                                             self.spec.shapes, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+        else:
+            self.master_specs = self.param_specs
+        self.master_shardings = shd.named(mesh, self.master_specs)
+        self.tx = make_optimizer(cfg.optim, cfg.train.steps)
+        self.lr_schedule = schedule(cfg.optim, cfg.train.steps)
+        params = init_params(cfg.model, cfg.train.seed, self.master_shardings)
+        opt_shardings = opt_state_shardings(self.tx, self.spec.shapes, self.master_shardings, mesh)
+        self.state: TrainState = init_state(self.tx, params, opt_shardings, mesh)
+
+    def _build_steps(self) -> None:
+        cfg = self.cfg
+        zero1 = cfg.parallel.shard_optimizer
+        step = make_train_step(
+            self.spec.graphdef, self.tx, accum_steps=self.accum_steps, resolver=self.resolver,
+            master_shardings=self.master_shardings,
+            compute_shardings=shd.named(self.mesh, self.param_specs) if zero1 else None,
+            compute_dtype=jnp.dtype(cfg.model.dtype), lr_schedule=self.lr_schedule)
+        shardings = state_shardings(self.state)
+        batch_shardings = {"inputs": self.batch_sharding, "targets": self.batch_sharding}
+        self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
+                                   out_shardings=(shardings, None), donate_argnums=0)
+        self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver),
+                                  in_shardings=(self.master_shardings, batch_shardings))
+        self._compiled = None
+
+    def sharding_report(self) -> str:
+        return shd.sharding_report(self.rules, self.mesh, self.spec.shapes, self.spec.names, self.param_specs,
+                                   self.master_specs)
+
+    # -- public API ----------------------------------------------------------------------------------------------
+    @property
+    def model(self) -> nnx.Module:
+        """The model with the current weights, callable as `model(tokens_BS) -> logits_BSV`."""
+        return nnx.merge(self.spec.graphdef, self.state.params)
+
+    def evaluate(self) -> float:
+        """Mean loss over `train.eval_batches` fixed validation batches."""
+        t = self.cfg.train
+        losses = []
+        for inputs, targets in data_lib.eval_batches(self.corpus.validation, t.seq_len, t.global_batch_size,
+                                                     t.eval_batches):
+            batch = {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda i, v=v: v[i])
+                     for k, v in (("inputs", inputs), ("targets", targets))}
+            losses.append(self._eval_step(self.state.params, batch))
+        return float(np.mean(jax.device_get(losses)))
+
+    def fit(self, steps: int | None = None) -> list[dict]:
+        """Train `steps` more steps (default: up to `train.steps`); returns the logged records."""
+        t = self.cfg.train
+        start = int(self.state.step)
+        end = t.steps if steps is None else start + steps
+        records: list[dict] = []
+        if start >= end:
+            return records
+        prefetch = data_lib.Prefetcher(self.loader, self.batch_sharding, start)
+        try:
+            batch = prefetch.get(start)
+            if self._compiled is None:
+                t0 = time.perf_counter()
+                self._compiled = self._train_step.lower(self.state, batch).compile()
+                self.compile_time_s = time.perf_counter() - t0
+                if self.is_main:
+                    self._startup_report()
+            tokens_per_step = t.global_batch_size * t.seq_len
+            self.log.start = time.perf_counter()
+            window_start, window_steps, pending = time.perf_counter(), 0, None
+            for step in range(start, end):
+                if step > start:
+                    batch = prefetch.get(step)
+                self.state, pending = self._compiled(self.state, batch)
+                window_steps += 1
+                done = step + 1
+                if done % t.log_every == 0 or done == end:
+                    pending = jax.device_get(pending)
+                    elapsed = time.perf_counter() - window_start
+                    rec = {"step": done, **pending}
+                    rec.update(mt.throughput(tokens_per_step * window_steps, elapsed, self.flops_per_token,
+                                             len(self.mesh.devices.flat), self.peak))
+                    rec["step_time_s"] = elapsed / window_steps
+                    records.append(rec)
+                    self.log.write(rec)
+                    window_start, window_steps = time.perf_counter(), 0
+                if t.eval_every and (done % t.eval_every == 0 or done == end):
+                    rec = {"step": done, "eval_loss": self.evaluate()}
+                    records.append(rec)
+                    self.log.write(rec)
+                    window_start = time.perf_counter()
+        finally:
+            prefetch.close()
+            self.log.end_line()
+        return records
+
+    def _startup_report(self) -> None:
+        cfg = self.cfg
+        layout = " x ".join(f"{a}={n}" for a, n in self.degrees.items() if n > 1) or "single device"
+        print(f"mlm_jax: {cfg.name} | {self.num_params / 1e6:.2f}M parameters | {len(self.mesh.devices.flat)} "
+              f"{jax.devices()[0].platform} device(s), {layout} | global batch {cfg.train.global_batch_size} x "
+              f"{cfg.train.seq_len} tokens, {self.accum_steps} microbatch(es) | compiled in "
+              f"{self.compile_time_s:.1f}s | output {cfg.train.output_dir}")
+        print(f"data: {self.corpus.description}")
+        if cfg.log.sharding_report:
+            print(self.sharding_report())

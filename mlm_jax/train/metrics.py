@@ -1,0 +1,89 @@
+"""Throughput accounting (tokens/s, TFLOP/s per device, MFU), metrics.jsonl, and the progress line."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from mlm_jax.config import ModelConfig
+
+# Dense bf16 peak FLOP/s by device kind (substring match); None (no MFU) for anything else, CPUs included.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
+
+
+def peak_flops(device_kind: str) -> float | None:
+    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in device_kind.lower()), None)
+
+
+def flops_per_token(m: ModelConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x non-embedding parameters + 6 x L x S x D for causal attention."""
+    non_embedding = num_params - m.vocab_size * m.hidden_size
+    head = 6 * m.vocab_size * m.hidden_size if m.tie_embeddings else 0
+    return 6 * non_embedding + head + 6 * m.num_layers * seq_len * m.hidden_size
+
+
+def throughput(tokens: int, seconds: float, flops_token: float, num_devices: int, peak: float | None) -> dict:
+    tflops = tokens * flops_token / seconds / num_devices / 1e12
+    return {"tokens_per_s": tokens / seconds, "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / peak if peak else None, "step_time_s": seconds}
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to `<output_dir>/metrics.jsonl` and prints progress."""
+
+    def __init__(self, output_dir: str | None, total_steps: int, progress: str = "auto", enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(output_dir, "metrics.jsonl") if output_dir and enabled else None
+        self.total = total_steps
+        self.tty = progress == "always" or (progress == "auto" and sys.stdout.isatty())
+        self.start = time.perf_counter()
+        self.open_line = False
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {k: _plain(v) for k, v in record.items()}
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self._print(record)
+
+    def _print(self, r: dict) -> None:
+        parts = [f"step {r['step']}/{self.total}"]
+        for key in ("loss", "eval_loss"):
+            if key in r:
+                parts.append(f"{key} {r[key]:.4f}" if r[key] is not None else f"{key} nan")
+        if r.get("tokens_per_s"):
+            parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+        if r.get("mfu") is not None:
+            parts.append(f"MFU {100 * r['mfu']:.1f}%")
+        if r.get("skipped_steps"):
+            parts.append(f"skipped {r['skipped_steps']}")
+        done = r["step"] / self.total if self.total else 1.0
+        if 0 < done < 1 and "eval_loss" not in r:
+            eta = (time.perf_counter() - self.start) * (1 - done) / done
+            parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+        line = " | ".join(parts)
+        if self.tty and "eval_loss" not in r:
+            sys.stdout.write("\r\033[K" + line)
+            self.open_line = True
+        else:
+            self.end_line()
+            print(line)
+        sys.stdout.flush()
+
+    def end_line(self) -> None:
+        if self.open_line:
+            sys.stdout.write("\n")
+            self.open_line = False
+
+
+def _plain(v):
+    """JSON-safe scalars; non-finite floats as null."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v

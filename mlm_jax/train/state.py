@@ -1,0 +1,59 @@
+"""Train state and its sharded creation: eval_shape -> shardings -> jit(init, out_shardings=...)."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mlm_jax.config import ModelConfig
+from mlm_jax.layers.transformer import Transformer
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: steps taken, skipped ones included (the data position)
+    params: Any  # nested dict of fp32 master weights
+    opt_state: optax.OptState
+    skipped_steps: jax.Array  # int32 scalar: updates dropped for a non-finite loss or gradient
+
+
+class ModelSpec(NamedTuple):
+    graphdef: nnx.GraphDef
+    shapes: Any  # nested dict of ShapeDtypeStruct
+    names: Any  # nested dict of PartitionSpec holding logical dim names
+
+
+def model_spec(m: ModelConfig) -> ModelSpec:
+    """The model's structure, parameter shapes and logical names, without allocating anything."""
+    abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))
+
+
+def init_params(m: ModelConfig, seed: int, shardings) -> Any:
+    """Parameters created directly in their shards (never whole on one device)."""
+    def init():
+        return nnx.to_pure_dict(nnx.state(Transformer(m, rngs=nnx.Rngs(seed)), nnx.Param))
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params_shapes, param_shardings, mesh: Mesh):
+    """Moments follow their parameter's sharding; counters and other scalars are replicated."""
+    shapes = jax.eval_shape(tx.init, params_shapes)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(tx, lambda _, s: s, shapes, param_shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
+def init_state(tx, params, opt_shardings, mesh: Mesh) -> TrainState:
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step, skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated) for _ in range(2))  # distinct buffers
+    return TrainState(step=step, params=params, opt_state=opt_state, skipped_steps=skipped)
+
+
+def state_shardings(state: TrainState):
+    return jax.tree.map(lambda x: x.sharding, state)
