@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -81,7 +82,7 @@ class TrainConfig:
     seed: int = 0
     output_dir: str | None = None
     log_every: int = 10
-    eval_every: int = 100
+    eval_every: int = 100  # 0 = never
     eval_batches: int = 4
 
 
@@ -152,7 +153,7 @@ CHOICES = {
 POSITIVE = (
     "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.ffn_size", "train.steps", "train.global_batch_size", "train.micro_batch_size",
-    "train.seq_len", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.seq_len", "train.log_every", "train.eval_batches",
 )
 
 
@@ -191,13 +192,13 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
         if isinstance(value, str):
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
     elif base is str:
         if isinstance(value, str):
             return value
@@ -221,6 +222,8 @@ def _load_yaml(path: str) -> dict:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a UTF-8 text file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
@@ -252,8 +255,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
         path = os.fspath(path)
         cfg = dataclasses.replace(cfg, name=os.path.splitext(os.path.basename(path))[0])
         for section, values in _load_yaml(path).items():
+            if section == "name" and isinstance(values, str):
+                cfg = dataclasses.replace(cfg, name=values)
+                continue
             if section not in SECTIONS:
                 raise _unknown(str(section))
+            if values is None:
+                continue
             if not isinstance(values, dict):
                 raise ConfigError(f"{section}: expected a mapping of keys, got {values!r}")
             for name, value in values.items():
@@ -289,6 +297,8 @@ def validate(cfg: Config) -> None:
     if sum(v == -1 for v in degrees.values()) > 1:
         many = ", ".join(f"parallel.{k}" for k, v in degrees.items() if v == -1)
         raise ConfigError(f"more than one degree is -1 ({many}); at most one may take the remaining devices")
+    if cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every}: must be >= 0 (0 = no evaluation)")
     if not (0 < cfg.data.validation_fraction < 1):
         raise ConfigError(f"data.validation_fraction={cfg.data.validation_fraction}: expected a number in (0, 1)")
     o = cfg.optim

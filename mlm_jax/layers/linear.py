@@ -10,7 +10,7 @@ from flax import nnx
 
 def param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
     """A parameter tagged with logical dim names; the trainer resolves them, layers never see a mesh."""
-    return nnx.Param(value, sharding_names=tuple(names), eager_sharding=False)
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
 class Linear(nnx.Module):

@@ -24,7 +24,7 @@ def resolve_degrees(cfg: Config, num_devices: int) -> dict[str, int]:
         degrees[rest[0]] = num_devices // known
     product = math.prod(degrees.values())
     if product != num_devices:
-        shown = " x ".join(f"{a}={v}" for a, v in degrees.items() if v != 1) or "all 1"
+        shown = " x ".join(f"parallel.{a}={v}" for a, v in degrees.items() if v != 1) or "all 1"
         raise ConfigError(f"parallel degrees ({shown}) multiply to {product}, but {num_devices} devices are present")
     _check_layout(cfg, degrees)
     return degrees
@@ -38,9 +38,9 @@ def accumulation_steps(cfg: Config, degrees: dict[str, int]) -> int:
     """Microbatches per step: global batch / (micro batch x data-parallel degree), 1 without a micro batch."""
     t = cfg.train
     dp = data_parallel_degree(degrees)
-    micro = t.micro_batch_size or t.global_batch_size // dp
+    micro = t.micro_batch_size or max(t.global_batch_size // dp, 1)
     if t.global_batch_size % (dp * micro):
-        what = f"micro_batch_size={t.micro_batch_size} x " if t.micro_batch_size else ""
+        what = f"train.micro_batch_size={t.micro_batch_size} x " if t.micro_batch_size else ""
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by {what}data-parallel degree {dp} "
             f"(data x fsdp x expert)")

@@ -47,7 +47,7 @@ PRESETS: dict[str, Rules] = {
     "tp_sp": _SP + _PARAMS + _ACTIVATIONS,
     # weights sharded over every data-parallel axis (no replica groups), not only `fsdp`.
     "fsdp_full": ((ax.EMBED, ("fsdp", "data", "expert")),) + _PARAMS + _ACTIVATIONS,
-    # weights whole on every device: plain data parallelism whatever the mesh (a debugging baseline).
+    # weights whole on every device (activations keep their rules): a debugging baseline.
     "replicated": tuple((name, ()) for name in ax.PARAM_AXES) + _ACTIVATIONS,
 }
 
@@ -73,6 +73,8 @@ def _parse_rule(rule) -> tuple[str, tuple[str, ...]]:
         allowed = ", ".join(ax.PARAM_AXES + ax.ACTIVATION_AXES)
         raise ConfigError(f"parallel.rules entry {rule!r}: unknown logical name {logical!r} (one of {allowed})")
     mesh_axes = () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    if len(set(mesh_axes)) != len(mesh_axes):
+        raise ConfigError(f"parallel.rules entry {rule!r}: a mesh axis appears twice")
     for a in mesh_axes:
         if a not in MESH_AXES:
             raise ConfigError(f"parallel.rules entry {rule!r}: unknown mesh axis {a!r} (one of {', '.join(MESH_AXES)})")
@@ -93,7 +95,7 @@ def resolve(names: Sequence[str | None], rules: Rules, mesh_shape: Mapping[str, 
             parts = 1
             for a in mesh_axes:
                 size = mesh_shape.get(a, 1)
-                if size == 1 or a in used or (shape is not None and shape[i] % (parts * size)):
+                if size == 1 or a in used or a in kept or (shape is not None and shape[i] % (parts * size)):
                     continue
                 kept.append(a)
                 parts *= size

@@ -41,6 +41,8 @@ def zero1_spec(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
         parts = math.prod(shape_of[a] for a in current + extra)
         if shape[dim] % parts == 0:
             entries[dim] = current + extra if current else (extra[0] if len(extra) == 1 else extra)
+            while entries and entries[-1] is None:
+                entries.pop()
             return PartitionSpec(*entries)
     return spec
 

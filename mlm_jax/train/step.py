@@ -70,7 +70,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: 
                 loss, grads = grads_of(state.params, batch)
             else:
                 loss, grads = accumulate(state.params, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,5 @@
+"""Eight fake CPU devices for every test, set before jax is imported anywhere."""
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

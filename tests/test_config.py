@@ -1,0 +1,201 @@
+"""Config loading, overrides and validation, and degree resolution against a device count (no compilation)."""
+import dataclasses
+import pathlib
+
+import pytest
+
+from mlm_jax.config import Config, ConfigError, load_config, to_yaml
+from mlm_jax.parallel.mesh import resolve_degrees
+
+CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def write(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- files and defaults ----------------------------------------------------------------------------------------------
+def test_defaults_equal_tiny_yaml_apart_from_name():
+    tiny = next(p for p in CONFIGS if p.name == "tiny.yaml")
+    assert dataclasses.replace(load_config(tiny), name=Config().name) == Config()
+
+
+def test_config_files_exist():
+    assert len(CONFIGS) >= 2
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_loads_and_is_named_after_its_file(path):
+    assert load_config(path).name == path.stem
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == dataclasses.replace(Config(), name="run")
+
+
+# -- overrides ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, key, expected", [
+    ("train.steps=7", "train.steps", 7),
+    ("optim.lr=0.01", "optim.lr", 0.01),
+    ("optim.lr=1e-3", "optim.lr", 1e-3),  # YAML 1.1 reads this as a string
+    ("optim.lr=2", "optim.lr", 2.0),
+    ("model.qk_norm=true", "model.qk_norm", True),
+    ("model.tie_embeddings=false", "model.tie_embeddings", False),
+    ("parallel.rules=[[embed, [fsdp, data]]]", "parallel.rules", [["embed", ["fsdp", "data"]]]),
+    ("parallel.rules=tp_sp", "parallel.rules", "tp_sp"),
+    ("optim.clip_grad=null", "optim.clip_grad", None),
+    ("train.micro_batch_size=2", "train.micro_batch_size", 2),
+    ("train.output_dir=runs/x", "train.output_dir", "runs/x"),
+    ("model.norm=layernorm", "model.norm", "layernorm"),
+])
+def test_override_parses_value(override, key, expected):
+    section, name = key.split(".")
+    value = getattr(getattr(load_config(overrides=[override]), section), name)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_override_wins_over_yaml_which_wins_over_defaults(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 50\n  seed: 3\n")
+    cfg = load_config(path, ["train.steps=7"])
+    assert (cfg.train.steps, cfg.train.seed, cfg.train.seq_len) == (7, 3, Config().train.seq_len)
+
+
+def test_later_override_wins():
+    assert load_config(overrides=["train.steps=5", "train.steps=9"]).train.steps == 9
+
+
+def test_yaml_float_without_dot_parses(tmp_path):
+    assert load_config(write(tmp_path, "optim:\n  lr: 1e-3\n")).optim.lr == 1e-3
+
+
+# -- rejected input ----------------------------------------------------------------------------------------------------
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"'model\.hiden_size' \(did you mean model\.hidden_size\?\)"):
+        load_config(overrides=["model.hiden_size=64"])
+
+
+def test_unknown_key_in_yaml_suggests_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"did you mean train\.seq_len\?"):
+        load_config(write(tmp_path, "train:\n  seq_lenn: 64\n"))
+
+
+def test_unknown_section_rejected_in_override_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'modle\.hidden_size'"):
+        load_config(overrides=["modle.hidden_size=64"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer' \(did you mean train\?\)"):
+        load_config(write(tmp_path, "trainer:\n  steps: 3\n"))
+
+
+def test_unrelated_unknown_key_has_no_suggestion():
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["model.zzzzzz=1"])
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=abc", r"train\.steps='abc': expected int"),
+    ("train.steps=1.5", r"train\.steps=1\.5: expected int"),
+    ("model.qk_norm=3", r"model\.qk_norm=3: expected bool"),
+    ("model.hidden_size=true", r"model\.hidden_size=True: expected int"),
+    ("model.hidden_size=null", r"model\.hidden_size=None: expected int"),
+    ("optim.lr=fast", r"optim\.lr='fast': expected float"),
+    ("model.norm=3", r"model\.norm=3: expected str"),
+])
+def test_wrong_type_rejected(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+def test_override_without_equals_rejected():
+    with pytest.raises(ConfigError, match=r"'train\.steps': expected section\.key=value"):
+        load_config(overrides=["train.steps"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.norm=batchnorm", r"model\.norm='batchnorm': expected one of rmsnorm, layernorm"),
+    ("optim.schedule=linear", r"optim\.schedule='linear': expected one of cosine, wsd, constant"),
+    ("model.dtype=int8", r"model\.dtype='int8': expected one of float32, bfloat16, float16"),
+])
+def test_value_outside_choices_rejected(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=0", r"train\.steps=0: must be positive"),
+    ("model.num_kv_heads=-2", r"model\.num_kv_heads=-2: must be positive"),
+    ("parallel.tensor=0", r"parallel\.tensor=0: expected a positive degree or -1"),
+    ("parallel.data=-2", r"parallel\.data=-2: expected a positive degree or -1"),
+    ("model.hidden_size=130", r"model\.hidden_size=130 is not divisible by model\.num_heads=4"),
+    ("model.num_kv_heads=3", r"model\.num_kv_heads=3 must divide model\.num_heads=4"),
+    ("model.head_dim=33", r"model\.head_dim=33: rotary"),
+    ("data.validation_fraction=1", r"data\.validation_fraction=1\.0: expected a number in \(0, 1\)"),
+    ("optim.clip_grad=0", r"optim\.clip_grad=0\.0: must be positive or null"),
+    ("train.eval_every=-1", r"train\.eval_every=-1: must be >= 0"),
+])
+def test_invalid_value_rejected(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+def test_more_than_one_minus_one_degree_rejected():
+    with pytest.raises(ConfigError, match=r"more than one degree is -1 \(parallel\.data, parallel\.fsdp\)"):
+        load_config(overrides=["parallel.fsdp=-1"])
+
+
+def test_print_config_round_trips(tmp_path):
+    cfg = load_config(overrides=["model.num_kv_heads=2", "optim.lr=1e-4", "parallel.rules=[[embed, data]]",
+                                 "train.micro_batch_size=1", "optim.clip_grad=null", "model.norm_eps=1e-5"])
+    again = load_config(write(tmp_path, to_yaml(cfg), "printed.yaml"))
+    assert again == cfg
+
+
+# -- degree resolution -------------------------------------------------------------------------------------------------
+def degrees_of(*overrides, devices=8):
+    return resolve_degrees(load_config(overrides=overrides), devices)
+
+
+def test_minus_one_takes_the_remaining_devices():
+    assert degrees_of() == {"data": 8, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
+    assert degrees_of("parallel.tensor=2", "parallel.context=2") == {
+        "data": 2, "stage": 1, "fsdp": 1, "context": 2, "expert": 1, "tensor": 2}
+    assert degrees_of("parallel.data=2", "parallel.fsdp=-1", "parallel.tensor=2")["fsdp"] == 2
+
+
+def test_explicit_degrees_matching_the_device_count_resolve():
+    assert degrees_of("parallel.data=1", "parallel.fsdp=4", devices=4)["fsdp"] == 4
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tensor=3"], r"parallel\.data=-1: the other degrees multiply to 3, which does not divide the 8 devices"),
+    (["parallel.data=3"], r"\(parallel\.data=3\) multiply to 3, but 8 devices"),
+    (["parallel.data=2", "parallel.tensor=2"], r"\(parallel\.data=2 x parallel\.tensor=2\) multiply to 4, but 8 devices"),
+    (["parallel.tensor=8"], r"model\.num_heads=4 is not divisible by parallel\.tensor=8"),
+    (["model.num_kv_heads=2", "parallel.tensor=4", "parallel.data=2"],
+     r"model\.num_kv_heads=2 is not divisible by parallel\.tensor=4"),
+    (["parallel.context=8", "parallel.data=1", "train.seq_len=100"],
+     r"train\.seq_len=100 is not divisible by parallel\.context=8"),
+    (["parallel.stage=8", "parallel.data=1"], r"model\.num_layers=4 is not divisible by parallel\.stage=8"),
+    (["parallel.stage=2", "parallel.data=4"], r"parallel\.stage=2: pipeline parallelism is not available"),
+    (["train.global_batch_size=12"], r"train\.global_batch_size=12 is not divisible by data-parallel degree 8"),
+    (["train.micro_batch_size=3"],
+     r"train\.global_batch_size=16 is not divisible by train\.micro_batch_size=3 x data-parallel degree 8"),
+    (["train.global_batch_size=4"], r"train\.global_batch_size=4 is not divisible by data-parallel degree 8"),
+], ids=["minus-one-not-dividing", "product-short", "product-short-two-axes", "heads-by-tensor",
+        "kv-heads-by-tensor", "seq-len-by-context", "layers-by-stage", "stage-unavailable",
+        "global-batch-by-dp", "micro-batch", "global-batch-below-dp"])
+def test_degree_error_names_key_and_value(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        degrees_of(*overrides)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=nan", "optim.clip_grad=.inf"])
+def test_non_finite_floats_rejected(override):
+    with pytest.raises(ConfigError, match="expected float"):
+        load_config(overrides=[override])
+
+
+def test_empty_section_keeps_defaults(tmp_path):
+    assert load_config(write(tmp_path, "model:\n", "empty.yaml")).model == load_config().model
