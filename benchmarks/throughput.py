@@ -301,8 +301,8 @@ def sweep_points(sweep: list[str]) -> list[list[str]]:
 
 
 def main_parent(args) -> int:
-    points = sweep_points(args.sweep or [])
-    try:  # validate every point up front (no devices needed) and collect the peer shapes
+    try:  # validate every point up front (no devices needed)
+        points = sweep_points(args.sweep or [])
         cfgs = [load_config(args.config, [*args.overrides, *p]) for p in points]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -153,7 +153,7 @@ class Trainer:
                 if done % t.log_every == 0 or done == end:
                     pending = jax.device_get(pending)
                     elapsed = time.perf_counter() - window_start
-                    rec = {"step": done, **pending}
+                    rec = {"step": done, **{k: mt.plain(v) for k, v in pending.items()}}
                     rec.update(mt.throughput(tokens_per_step * window_steps, elapsed, self.flops_per_token,
                                              len(self.mesh.devices.flat), self.peak))
                     rec["step_time_s"] = elapsed / window_steps

@@ -44,7 +44,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        record = {k: _plain(v) for k, v in record.items()}
+        record = {k: plain(v) for k, v in record.items()}
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -80,7 +80,7 @@ class MetricsLog:
             self.open_line = False
 
 
-def _plain(v):
+def plain(v):
     """JSON-safe scalars; non-finite floats as null."""
     if hasattr(v, "item"):
         v = v.item()

@@ -1,0 +1,76 @@
+"""The training loop end to end: CLI outputs, metrics, non-finite skipping, the model API."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from mlm_jax import Trainer, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=2",
+         "train.global_batch_size=8", "train.seq_len=32", "data.max_bytes=2000000", "log.progress=never"]
+
+
+def test_cli_writes_config_and_metrics(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "mlm_jax.train", "--config", "configs/tiny.yaml", *SMALL,
+                             f"train.output_dir={out}", "log.sharding_report=true"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "rules (first match wins)" in result.stdout and "blocks/attn/q/kernel" in result.stdout
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["train"]["steps"] == 4 and saved["name"] == "tiny"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in train] == [2, 4]
+    for r in train:
+        for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "step_time_s",
+                    "skipped_steps"):
+            assert key in r, key
+        assert r["mfu"] is None and r["tokens_per_s"] > 0 and r["skipped_steps"] == 0
+    assert [r["step"] for r in lines if "eval_loss" in r] == [4]
+
+
+def test_non_finite_gradients_skip_the_update_and_are_counted(tmp_path):
+    trainer = Trainer(load_config(None, SMALL + [f"train.output_dir={tmp_path}", "train.eval_every=0"]))
+    params = trainer.state.params
+    poisoned = dict(params, final_norm={"scale": params["final_norm"]["scale"] * jnp.nan})
+    trainer.state = trainer.state._replace(params=poisoned)
+    before = jax.device_get(trainer.state.params["head"]["kernel"])
+    records = trainer.fit(steps=2)
+    assert records[-1]["skipped_steps"] == 2
+    assert records[-1]["loss"] is None  # non-finite values are written as null
+    np.testing.assert_array_equal(jax.device_get(trainer.state.params["head"]["kernel"]), before)
+    assert int(trainer.state.step) == 2
+
+
+def test_model_api_returns_logits_and_fit_continues(tmp_path):
+    trainer = Trainer(load_config(None, SMALL + [f"train.output_dir={tmp_path}", "train.eval_every=0"]))
+    trainer.fit(steps=2)
+    tokens_BS = jnp.zeros((2, 16), jnp.int32)
+    assert trainer.model(tokens_BS).shape == (2, 16, 512)
+    trainer.fit()
+    assert int(trainer.state.step) == 4
+    assert np.isfinite(trainer.evaluate())
+
+
+def test_learning_rate_schedules():
+    from mlm_jax.train.optimizer import schedule
+    o = load_config(None, ["optim.lr=1.0", "optim.min_lr=0.1", "optim.warmup_steps=10"]).optim
+    cos = schedule(o, 110)
+    assert float(cos(0)) == 0.0 and abs(float(cos(10)) - 1.0) < 1e-6 and abs(float(cos(110)) - 0.1) < 1e-6
+    wsd = schedule(o.__class__(**{**o.__dict__, "schedule": "wsd", "decay_fraction": 0.2}), 110)
+    assert abs(float(wsd(80)) - 1.0) < 1e-6 and abs(float(wsd(110)) - 0.1) < 1e-6
+    const = schedule(o.__class__(**{**o.__dict__, "schedule": "constant"}), 110)
+    assert abs(float(const(5)) - 0.5) < 1e-6 and float(const(100)) == 1.0
+
+
+def test_norms_and_biases_get_no_weight_decay():
+    from mlm_jax.train.optimizer import decay_mask
+    mask = decay_mask({"final_norm": {"scale": 1, "bias": 2}, "head": {"kernel": 3}})
+    assert mask == {"final_norm": {"scale": False, "bias": False}, "head": {"kernel": True}}
