@@ -1,7 +1,7 @@
 """Training throughput of mlm_jax on the local accelerators, optionally next to the PyTorch peer.
 
     python benchmarks/throughput.py --config configs/llama-1b.yaml [--steps 30] [--warmup 5]
-        [--peer /work/shared/bench/torch_gpt.py] [--label TEXT] [--xla-flags "..."] [--results-dir DIR]
+        [--peer PATH/TO/torch_gpt.py] [--label TEXT] [--xla-flags "..."] [--results-dir DIR]
         [--sweep train.global_batch_size=8,16 model.remat=none,full] [section.key=value ...]
 
 Each measurement of ours runs in a subprocess of its own (this script with --ours-only --json-out FILE), and the
@@ -356,7 +356,7 @@ def parse_args(argv=None):
     p.add_argument("--config", help="YAML file (configs/*.yaml); defaults to the tiny CPU model")
     p.add_argument("--steps", type=int, default=30, help="timed steps (median step time is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one compiles)")
-    p.add_argument("--peer", help="path to the PyTorch peer script (e.g. /work/shared/bench/torch_gpt.py)")
+    p.add_argument("--peer", help="path to the PyTorch peer script (torch_gpt.py: SDPA flash attention + torch.compile)")
     p.add_argument("--peer-python", default=sys.executable, help="interpreter for the peer (default: this one)")
     p.add_argument("--label", help="free text stored with the result")
     p.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS of our subprocess")
