@@ -84,6 +84,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # 0 = never
     eval_batches: int = 4
+    nan_policy: str = "skip"  # skip: drop the update and count it; stop: save the last good state and exit
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,15 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoint settings (none yet: runs do not save checkpoints)."""
+    """Sharded async checkpoints. `dir` defaults to `<train.output_dir>/checkpoints`; `every: 0` saves only at the
+    end (and on SIGTERM/SIGINT). `resume`: auto (the newest in `dir`, if any), none, or a checkpoint path.
+    `init_from`: start a new run from another checkpoint's weights (fresh optimizer)."""
+
+    dir: str | None = None
+    every: int = 0
+    keep: int = 3
+    resume: str = "auto"
+    init_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,12 +157,13 @@ CHOICES = {
     "model.attention_impl": ("auto", "cudnn", "xla"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "log.progress": ("auto", "always", "never"),
+    "train.nan_policy": ("skip", "stop"),
 }
 
 POSITIVE = (
     "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.ffn_size", "train.steps", "train.global_batch_size", "train.micro_batch_size",
-    "train.seq_len", "train.log_every", "train.eval_batches",
+    "train.seq_len", "train.log_every", "train.eval_batches", "checkpoint.keep",
 )
 
 
@@ -297,6 +307,10 @@ def validate(cfg: Config) -> None:
     if sum(v == -1 for v in degrees.values()) > 1:
         many = ", ".join(f"parallel.{k}" for k, v in degrees.items() if v == -1)
         raise ConfigError(f"more than one degree is -1 ({many}); at most one may take the remaining devices")
+    if cfg.checkpoint.every < 0:
+        raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0 = only at the end)")
+    if cfg.checkpoint.resume == "":
+        raise ConfigError("checkpoint.resume='': expected auto, none or a checkpoint path")
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every}: must be >= 0 (0 = no evaluation)")
     if not (0 < cfg.data.validation_fraction < 1):

@@ -23,8 +23,13 @@ def main(argv=None) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
-        from mlm_jax.train.loop import Trainer  # jax is imported only when there is work to do
-        Trainer(cfg).fit()
+        from mlm_jax.train.checkpoint import CheckpointError  # jax is imported only when there is work to do
+        from mlm_jax.train.loop import Trainer, TrainingStopped
+        try:
+            Trainer(cfg).fit()
+        except (CheckpointError, TrainingStopped) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -18,10 +20,15 @@ from mlm_jax.layers import axes as ax
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.mesh import accumulation_steps, build_mesh, resolve_degrees
 from mlm_jax.parallel.rules import make_rules, resolve
+from mlm_jax.train import checkpoint as ckpt
 from mlm_jax.train import metrics as mt
 from mlm_jax.train.optimizer import make_optimizer, schedule
-from mlm_jax.train.state import (TrainState, init_params, init_state, model_spec, opt_state_shardings,
-                                 state_shardings)
+from mlm_jax.train.state import (TrainState, abstract_state, init_params, init_state, model_spec,
+                                 opt_state_shardings, state_shardings)
+
+
+class TrainingStopped(RuntimeError):
+    """Training ended early on purpose (`train.nan_policy=stop`); the message is one line."""
 from mlm_jax.train.step import make_eval_step, make_train_step
 
 
@@ -35,6 +42,9 @@ class Trainer:
         if cfg.train.output_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=f"runs/{cfg.name}-{stamp}"))
+        if cfg.checkpoint.dir is None:
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+                cfg.checkpoint, dir=os.path.join(cfg.train.output_dir, "checkpoints")))
         self.cfg = cfg
         self.is_main = jax.process_index() == 0
         self.mesh = build_mesh(self.degrees, devices)
@@ -83,9 +93,37 @@ class Trainer:
         self.master_shardings = shd.named(mesh, self.master_specs)
         self.tx = make_optimizer(cfg.optim, cfg.train.steps)
         self.lr_schedule = schedule(cfg.optim, cfg.train.steps)
-        params = init_params(cfg.model, cfg.train.seed, self.master_shardings)
         opt_shardings = opt_state_shardings(self.tx, self.spec.shapes, self.master_shardings, mesh)
-        self.state: TrainState = init_state(self.tx, params, opt_shardings, mesh)
+        abstract = abstract_state(self.tx, self.spec.shapes, self.master_shardings, opt_shardings, mesh)
+        c = cfg.checkpoint
+        self.checkpointer = ckpt.Checkpointer(c.dir, c.every, c.keep)
+        self.resumed_from = None
+        resumed = self._resume(abstract)
+        if resumed is not None:
+            self.state: TrainState = resumed
+            return
+        if c.init_from:
+            params, _ = ckpt.restore_params(c.init_from, abstract.params)
+        else:
+            params = init_params(cfg.model, cfg.train.seed, self.master_shardings)
+        self.state = init_state(self.tx, params, opt_shardings, mesh)
+
+    def _resume(self, abstract: TrainState) -> TrainState | None:
+        """`checkpoint.resume`: auto (the newest complete checkpoint in `checkpoint.dir`), none, or a path."""
+        c = self.cfg.checkpoint
+        if c.resume == "none":
+            return None
+        if c.resume == "auto":
+            directory, steps = c.dir, ckpt.checkpoint_steps(c.dir)
+            if not steps:
+                return None
+        else:
+            directory, steps = ckpt.locate(c.resume)
+            if not steps:
+                raise ConfigError(f"checkpoint.resume={c.resume}: no checkpoint found there")
+        state, meta = ckpt.restore(directory, steps, abstract)
+        self.resumed_from = f"{directory}/{meta['step']}"
+        return state
 
     def _build_steps(self) -> None:
         cfg = self.cfg
@@ -124,14 +162,26 @@ class Trainer:
             losses.append(self._eval_step(self.state.params, batch))
         return float(np.mean(jax.device_get(losses)))
 
+    def save(self) -> None:
+        """Starts an async save of the current state (training goes on while it is written)."""
+        step = int(self.state.step)
+        self.checkpointer.save(self.state, {"step": step, "data_step": step, "seed": self.cfg.train.seed,
+                                            "config": self.cfg.to_dict()})
+
     def fit(self, steps: int | None = None) -> list[dict]:
-        """Train `steps` more steps (default: up to `train.steps`); returns the logged records."""
+        """Train `steps` more steps (default: up to `train.steps`); returns the logged records.
+
+        Saves every `checkpoint.every` steps and at the end of training. SIGTERM or SIGINT finishes the current
+        step, saves and returns. With `train.nan_policy=stop`, a non-finite step saves the state (the bad update
+        dropped) and raises `TrainingStopped`.
+        """
         t = self.cfg.train
         start = int(self.state.step)
         end = t.steps if steps is None else start + steps
         records: list[dict] = []
         if start >= end:
             return records
+        stop = _StopSignal()
         prefetch = data_lib.Prefetcher(self.loader, self.batch_sharding, start)
         try:
             batch = prefetch.get(start)
@@ -143,13 +193,19 @@ class Trainer:
                     self._startup_report()
             tokens_per_step = t.global_batch_size * t.seq_len
             self.log.start = time.perf_counter()
-            window_start, window_steps, pending = time.perf_counter(), 0, None
+            window_start, window_steps, skipped = time.perf_counter(), 0, int(self.state.skipped_steps)
             for step in range(start, end):
                 if step > start:
                     batch = prefetch.get(step)
                 self.state, pending = self._compiled(self.state, batch)
                 window_steps += 1
                 done = step + 1
+                if t.nan_policy == "stop" and int(pending["skipped_steps"]) > skipped:
+                    self.save()
+                    self.checkpointer.wait()
+                    raise TrainingStopped(
+                        f"non-finite loss or gradient at step {done} (train.nan_policy=stop): the update was "
+                        f"dropped and the last good weights saved to {self.checkpointer.directory}/{done}")
                 if done % t.log_every == 0 or done == end:
                     pending = jax.device_get(pending)
                     elapsed = time.perf_counter() - window_start
@@ -165,9 +221,20 @@ class Trainer:
                     records.append(rec)
                     self.log.write(rec)
                     window_start = time.perf_counter()
+                if self.checkpointer.due(done) or done == t.steps or stop.received:
+                    self.save()
+                if stop.received:
+                    self.checkpointer.wait()
+                    self.log.end_line()
+                    if self.is_main:
+                        print(f"received {stop.received}: saved checkpoint at step {done} to "
+                              f"{self.checkpointer.directory}/{done}")
+                    break
         finally:
+            stop.restore()
             prefetch.close()
             self.log.end_line()
+            self.checkpointer.wait()
         return records
 
     def _startup_report(self) -> None:
@@ -178,5 +245,25 @@ class Trainer:
               f"{cfg.train.seq_len} tokens, {self.accum_steps} microbatch(es) | compiled in "
               f"{self.compile_time_s:.1f}s | output {cfg.train.output_dir}")
         print(f"data: {self.corpus.description}")
+        if self.resumed_from:
+            print(f"resumed from {self.resumed_from}")
         if cfg.log.sharding_report:
             print(self.sharding_report())
+
+
+class _StopSignal:
+    """SIGTERM/SIGINT set a flag that the loop checks after each step (main thread only)."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

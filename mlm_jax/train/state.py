@@ -55,5 +55,15 @@ def init_state(tx, params, opt_shardings, mesh: Mesh) -> TrainState:
     return TrainState(step=step, params=params, opt_state=opt_state, skipped_steps=skipped)
 
 
+def abstract_state(tx, params_shapes, param_shardings, opt_shardings, mesh: Mesh) -> TrainState:
+    """Shapes, dtypes and target shardings of the whole state: what a checkpoint is restored into."""
+    def sds(x, sharding):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    scalar = sds(jax.ShapeDtypeStruct((), jnp.int32), NamedSharding(mesh, PartitionSpec()))
+    return TrainState(step=scalar, params=jax.tree.map(sds, params_shapes, param_shardings),
+                      opt_state=jax.tree.map(sds, jax.eval_shape(tx.init, params_shapes), opt_shardings),
+                      skipped_steps=scalar)
+
+
 def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)

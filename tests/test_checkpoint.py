@@ -1,0 +1,152 @@
+"""Checkpoints: exact resume, resume on other layouts and device counts, signals, crashes, corruption, NaN policy."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mlm_jax import Trainer, load_config
+from mlm_jax.train.checkpoint import checkpoint_steps
+from mlm_jax.train.loop import TrainingStopped
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["train.log_every=1", "train.eval_every=0", "train.global_batch_size=8", "train.seq_len=32",
+        "log.progress=never", "data.max_bytes=2000000"]
+FP32 = ["model.dtype=float32", "optim.warmup_steps=0", "optim.lr=1e-2"]
+
+
+def trainer(tmp, *overrides, devices=8):
+    cfg = load_config(None, BASE + [f"train.output_dir={tmp}", *overrides])
+    return Trainer(cfg, devices=jax.devices()[:devices])
+
+
+def losses(records):
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_resume_is_bit_exact(tmp_path):
+    run = ["train.steps=6", "checkpoint.every=3", "parallel.data=2"]
+    full = losses(trainer(tmp_path / "full", *run, devices=2).fit())
+    first = trainer(tmp_path / "split", *run, devices=2).fit(steps=3)
+    assert checkpoint_steps(str(tmp_path / "split" / "checkpoints")) == [3]
+    resumed = trainer(tmp_path / "split", *run, devices=2)
+    assert int(resumed.state.step) == 3
+    second = losses(resumed.fit())
+    assert losses(first) == {k: full[k] for k in (1, 2, 3)}
+    assert second == {k: full[k] for k in (4, 5, 6)}  # identical floats, not approximately equal
+
+
+def _chain(tmp_path, layouts, devices):
+    """Two steps under each layout in turn, resuming from the previous layout's checkpoint."""
+    run = tmp_path / "chain"
+    got = {}
+    for i, (layout, n) in enumerate(zip(layouts, devices)):
+        t = trainer(run, "train.steps=6", "checkpoint.every=2", *FP32, *layout, devices=n)
+        assert int(t.state.step) == 2 * i
+        got.update(losses(t.fit(steps=2)))
+    return got
+
+
+def _assert_close(got, ref):
+    steps = sorted(ref)
+    np.testing.assert_allclose([got[s] for s in steps], [ref[s] for s in steps], rtol=1e-5)
+
+
+def test_resume_across_layouts_matches_uninterrupted_run(tmp_path):
+    ref = losses(trainer(tmp_path / "ref", "train.steps=6", *FP32, "parallel.data=8").fit())
+    layouts = [["parallel.data=8"], ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"],
+               ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true",
+                "parallel.shard_optimizer=true"]]
+    _assert_close(_chain(tmp_path, layouts, [8, 8, 8]), ref)
+
+
+def test_resume_on_fewer_devices_matches_uninterrupted_run(tmp_path):
+    ref = losses(trainer(tmp_path / "ref", "train.steps=6", *FP32, "parallel.data=8").fit())
+    layouts = [["parallel.data=8"], ["parallel.data=2", "parallel.fsdp=2"], ["parallel.data=1"]]
+    _assert_close(_chain(tmp_path, layouts, [8, 4, 1]), ref)
+
+
+def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
+    trainer(tmp_path, "train.steps=4", "checkpoint.every=2").fit()
+    ckdir = tmp_path / "checkpoints"
+    assert checkpoint_steps(str(ckdir)) == [2, 4]
+    for root, _, files in os.walk(ckdir / "4" / "params"):
+        for f in files:
+            with open(os.path.join(root, f), "wb") as fh:
+                fh.write(b"garbage")
+    resumed = trainer(tmp_path, "train.steps=4", "checkpoint.every=2")
+    assert int(resumed.state.step) == 2
+    assert "checkpoints/4 is unreadable" in capsys.readouterr().out
+
+
+def test_init_from_takes_weights_only(tmp_path):
+    source = trainer(tmp_path / "a", "train.steps=2")
+    source.fit()
+    fresh = trainer(tmp_path / "b", "train.steps=2", f"checkpoint.init_from={tmp_path / 'a' / 'checkpoints'}")
+    assert int(fresh.state.step) == 0
+    np.testing.assert_array_equal(jax.device_get(fresh.state.params["head"]["kernel"]),
+                                  jax.device_get(source.state.params["head"]["kernel"]))
+    assert all(float(jnp.abs(m).max()) == 0 for m in jax.tree.leaves(fresh.state.opt_state[1][0].mu))
+
+
+def test_nan_policy_stop_saves_and_raises(tmp_path):
+    t = trainer(tmp_path, "train.steps=4", "train.nan_policy=stop")
+    params = t.state.params
+    good = jax.device_get(params["head"]["kernel"])
+    t.state = t.state._replace(params=dict(params, final_norm={"scale": params["final_norm"]["scale"] * jnp.nan}))
+    with pytest.raises(TrainingStopped, match="non-finite loss or gradient at step 1"):
+        t.fit()
+    assert checkpoint_steps(str(tmp_path / "checkpoints")) == [1]
+    np.testing.assert_array_equal(jax.device_get(t.state.params["head"]["kernel"]), good)
+
+
+def _cli(tmp_path, *args):
+    return subprocess.Popen([sys.executable, "-m", "mlm_jax.train", *BASE, f"train.output_dir={tmp_path}", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(proc, step):
+    for line in proc.stdout:
+        if line.startswith(f"step {step}/"):
+            return
+    raise AssertionError(f"no step {step}: {proc.stderr.read()}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
+    proc = _cli(tmp_path, "train.steps=10000")
+    _wait_for_step(proc, 2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert f"received {sig.name}: saved checkpoint at step" in out
+    saved = checkpoint_steps(str(tmp_path / "checkpoints"))
+    assert len(saved) == 1 and f"step {saved[0]} to " in out
+
+
+def test_sigkill_during_async_saves_never_leaves_a_checkpoint_resume_would_pick(tmp_path):
+    proc = _cli(tmp_path, "train.steps=10000", "checkpoint.every=1", "checkpoint.keep=2")
+    _wait_for_step(proc, 3)
+    time.sleep(0.3)
+    proc.kill()
+    proc.communicate()
+    ckdir = tmp_path / "checkpoints"
+    # a save cut short stays a temporary directory, never listed as a step
+    (ckdir / "999.orbax-checkpoint-tmp-1").mkdir()
+    steps = checkpoint_steps(str(ckdir))
+    assert steps and 999 not in steps
+    resumed = trainer(tmp_path, "train.steps=10000", "checkpoint.every=1")
+    assert int(resumed.state.step) == steps[-1]
+
+
+def test_uncreatable_checkpoint_dir_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = _cli(tmp_path, "train.steps=2", f"checkpoint.dir={blocker}/ck")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.startswith("error: checkpoint.dir=") and err.count("\n") == 1, err
