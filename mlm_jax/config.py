@@ -41,6 +41,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     qk_norm: bool = False
+    qkv_bias: bool = False
     init_std: float = 0.02
     dtype: str = "bfloat16"
     param_dtype: str = "float32"

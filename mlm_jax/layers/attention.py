@@ -21,6 +21,7 @@ class AttentionConfig:
     head_dim: int
     rope_theta: float
     qk_norm: bool
+    qkv_bias: bool
     norm_eps: float
     impl: str  # auto | cudnn | xla
 
@@ -43,12 +44,12 @@ class Attention(nnx.Module):
     def __init__(self, c: AttentionConfig, *, std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs):
         self.c = c
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q = Linear("bsd,dnh->bsnh", (c.dim, c.num_heads, c.head_dim), (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
-                        std=std, **kw)
+        qkv = dict(std=std, bias_dims=2 if c.qkv_bias else 0, **kw)
+        self.q = Linear("bsd,dnh->bsnh", (c.dim, c.num_heads, c.head_dim), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), **qkv)
         self.k = Linear("bsd,dkh->bskh", (c.dim, c.kv_heads, c.head_dim), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-                        std=std, **kw)
+                        **qkv)
         self.v = Linear("bsd,dkh->bskh", (c.dim, c.kv_heads, c.head_dim), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-                        std=std, **kw)
+                        **qkv)
         self.o = Linear("bsnh,nhd->bsd", (c.num_heads, c.head_dim, c.dim), (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
                         std=out_std, **kw)
         if c.qk_norm:

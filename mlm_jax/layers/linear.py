@@ -14,13 +14,19 @@ def param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """`y = einsum(equation, x, kernel)`; kernel stored in `param_dtype`, both operands cast to `dtype`."""
+    """`y = einsum(equation, x, kernel) [+ bias]`; weights stored in `param_dtype`, operands cast to `dtype`.
+
+    `bias_dims` is how many trailing kernel dims are output dims (and so the bias shape); 0 = no bias.
+    """
 
     def __init__(self, equation: str, kernel_shape: Sequence[int], names: Sequence[str], *, std: float,
-                 dtype, param_dtype, rngs: nnx.Rngs):
+                 dtype, param_dtype, rngs: nnx.Rngs, bias_dims: int = 0):
         self.equation = equation
         self.dtype = dtype
         self.kernel = param(std * jax.random.normal(rngs.params(), tuple(kernel_shape), param_dtype), names)
+        if bias_dims:
+            self.bias = param(jnp.zeros(tuple(kernel_shape)[-bias_dims:], param_dtype), tuple(names)[-bias_dims:])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y

@@ -26,7 +26,7 @@ REMAT_POLICIES = {
 
 def block_config(m: ModelConfig) -> BlockConfig:
     attention = AttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads,
-                                head_dim=m.dim_per_head, rope_theta=m.rope_theta, qk_norm=m.qk_norm,
+                                head_dim=m.dim_per_head, rope_theta=m.rope_theta, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
                                 norm_eps=m.norm_eps, impl=m.attention_impl)
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
