@@ -106,8 +106,14 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training data. With nothing else configured: the embedded corpus (the standard library's sources)."""
+    """Training data: `paths` of prepared token directories (`python -m mlm_jax.data.prepare`), blended by
+    `weights` (default: by size); without paths, the embedded corpus (the standard library's sources, bytes).
+    `tokenizer` (byte or a tokenizer.json path) must be the one the directories were prepared with.
+    `max_bytes` caps the embedded corpus."""
 
+    paths: list | None = None
+    weights: list | None = None
+    tokenizer: str = "byte"
     validation_fraction: float = 0.05
     max_bytes: int | None = None
 
@@ -213,6 +219,11 @@ def _coerce(key: str, value: Any, tp) -> Any:
     elif base is str:
         if isinstance(value, str):
             return value
+    elif base is list:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, (list, tuple)):
+            return list(value)
     raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
 
 
@@ -314,6 +325,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError("checkpoint.resume='': expected auto, none or a checkpoint path")
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every}: must be >= 0 (0 = no evaluation)")
+    d = cfg.data
+    if d.weights is not None:
+        if not d.paths or len(d.weights) != len(d.paths):
+            raise ConfigError(f"data.weights={d.weights}: expected one weight per entry of data.paths={d.paths}")
+        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
+                   for w in d.weights):
+            raise ConfigError(f"data.weights={d.weights}: expected positive numbers")
+    if d.paths is not None and (not d.paths or not all(isinstance(p, str) for p in d.paths)):
+        raise ConfigError(f"data.paths={d.paths}: expected a list of prepared directories")
     if not (0 < cfg.data.validation_fraction < 1):
         raise ConfigError(f"data.validation_fraction={cfg.data.validation_fraction}: expected a number in (0, 1)")
     o = cfg.optim

@@ -1,4 +1,6 @@
 """Checkpoints: exact resume, resume on other layouts and device counts, signals, crashes, corruption, NaN policy."""
+import errno
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlm_jax import Trainer, load_config
-from mlm_jax.train.checkpoint import checkpoint_steps
+from mlm_jax.train.checkpoint import CheckpointError, checkpoint_steps
 from mlm_jax.train.loop import TrainingStopped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,16 +119,42 @@ def _wait_for_step(proc, step):
     raise AssertionError(f"no step {step}: {proc.stderr.read()}")
 
 
+def _logged_losses(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in lines if "loss" in r]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
-    proc = _cli(tmp_path, "train.steps=10000")
+def test_signal_saves_and_exits_0_then_the_cli_resumes_bit_exactly(tmp_path, sig):
+    steps = "train.steps=12"
+    full = _cli(tmp_path / "full", steps)
+    assert full.wait(timeout=300) == 0, full.stderr.read()
+    proc = _cli(tmp_path / "split", steps)
     _wait_for_step(proc, 2)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert f"received {sig.name}: saved checkpoint at step" in out
-    saved = checkpoint_steps(str(tmp_path / "checkpoints"))
-    assert len(saved) == 1 and f"step {saved[0]} to " in out
+    saved = checkpoint_steps(str(tmp_path / "split" / "checkpoints"))
+    assert len(saved) == 1 and f"step {saved[0]} to " in out and saved[0] < 12
+    again = _cli(tmp_path / "split", steps)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0 and f"resumed from {tmp_path / 'split' / 'checkpoints'}/{saved[0]}" in out, err
+    assert _logged_losses(tmp_path / "split") == _logged_losses(tmp_path / "full")
+
+
+def test_a_failing_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch):
+    t = trainer(tmp_path, "train.steps=4", "checkpoint.every=2")
+    t.fit(steps=2)
+    assert checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(t.checkpointer.manager, "save", disk_full)
+    with pytest.raises(CheckpointError, match="saving step 4 to .* failed: No space left on device; earlier"):
+        t.fit()
+    assert checkpoint_steps(str(tmp_path / "checkpoints")) == [2]
 
 
 def test_sigkill_during_async_saves_never_leaves_a_checkpoint_resume_would_pick(tmp_path):

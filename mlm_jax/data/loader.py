@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from mlm_jax.data.tokenfile import BlendedTokens
+
 
 class TokenWindows:
     """Non-overlapping windows of seq_len + 1 tokens over a flat token array (the +1 is the shifted target)."""
@@ -44,7 +46,11 @@ class StepLoader:
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int):
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        self.windows = TokenWindows(tokens, seq_len)
+        # A blend is already shuffled and holds its weights within every step, so it is read in order.
+        self.blend = tokens if isinstance(tokens, BlendedTokens) else None
+        if self.blend is not None and self.blend.seq_len != seq_len:
+            raise ValueError(f"the blend has seq_len={self.blend.seq_len}, the loader {seq_len}")
+        self.windows = self.blend or TokenWindows(tokens, seq_len)
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -63,6 +69,8 @@ class StepLoader:
         if step < 0 or not 0 <= start <= stop <= B:
             raise ValueError(f"need step >= 0 and 0 <= start <= stop <= {B}, got {step=}, {start=}, {stop=}")
         samples = step * B + np.arange(start, stop, dtype=np.int64)
+        if self.blend is not None:
+            return self.blend.pairs(samples)
         epochs, positions = np.divmod(samples, self.windows.num_windows)
         window_ids = np.empty_like(samples)
         for epoch in np.unique(epochs):
@@ -170,6 +178,6 @@ def eval_batches(
     tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The first num_batches·batch_size windows in order (wrapping if fewer): every evaluation sees the same data."""
-    windows = TokenWindows(tokens, seq_len)
+    windows = tokens if isinstance(tokens, BlendedTokens) else TokenWindows(tokens, seq_len)
     ids = np.arange(num_batches * batch_size, dtype=np.int64) % windows.num_windows
     return (windows.pairs(ids[b * batch_size : (b + 1) * batch_size]) for b in range(num_batches))

@@ -187,8 +187,8 @@ def _schedule(quotas: list[int], priority: list[int]) -> tuple[np.ndarray, np.nd
 
     Earliest-deadline-first on Tijdeman's chairman assignment (1980): with m sources and shares p_k, every
     prefix of n slots gives source k within 1 - 1/(2m - 2) of n·p_k, so under one window. Slot n may go to
-    k once n·p_k - c_k >= 1/(2m-2) (c_k its slots so far); its deadline is the last slot before it would fall
-    a full 1 - 1/(2m-2) behind. Integer arithmetic, ties to the seeded priority, so the schedule is
+    k once n·p_k - c_k >= 1/(2m-2) (c_k its slots so far); its deadline is the last slot n at which it is still
+    within 1 - 1/(2m-2) of n·p_k. Integer arithmetic, ties to the seeded priority, so the schedule is
     reproducible; after one period every c_k equals its quota, so it repeats exactly.
     """
     period, m = sum(quotas), len(quotas)

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from mlm_jax import data as data_lib
+from mlm_jax.data.dataset import build_datasets
 from mlm_jax.config import Config, ConfigError, to_yaml
 from mlm_jax.layers import axes as ax
 from mlm_jax.parallel import sharding as shd
@@ -68,15 +69,8 @@ class Trainer:
     # -- construction --------------------------------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
-        tokenizer = data_lib.ByteTokenizer()
-        if tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
-                              f"{tokenizer.vocab_size} tokens")
-        try:
-            self.corpus = data_lib.load_stdlib_corpus(cfg.data.validation_fraction, cfg.data.max_bytes)
-            self.loader = data_lib.StepLoader(self.corpus.train, t.seq_len, t.global_batch_size, t.seed)
-        except ValueError as e:
-            raise ConfigError(f"data: {e}") from None
+        self.data = build_datasets(cfg.data, t.seq_len, cfg.model.vocab_size, t.seed)
+        self.loader = data_lib.StepLoader(self.data.train, t.seq_len, t.global_batch_size, t.seed)
         shape_of = shd.mesh_shape(self.mesh)
         self.batch_sharding = NamedSharding(
             self.mesh, resolve((ax.ACT_BATCH, None), self.rules, shape_of, (t.global_batch_size, t.seq_len)))
@@ -155,7 +149,7 @@ class Trainer:
         """Mean loss over `train.eval_batches` fixed validation batches."""
         t = self.cfg.train
         losses = []
-        for inputs, targets in data_lib.eval_batches(self.corpus.validation, t.seq_len, t.global_batch_size,
+        for inputs, targets in data_lib.eval_batches(self.data.validation, t.seq_len, t.global_batch_size,
                                                      t.eval_batches):
             batch = {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda i, v=v: v[i])
                      for k, v in (("inputs", inputs), ("targets", targets))}
@@ -244,7 +238,7 @@ class Trainer:
               f"{jax.devices()[0].platform} device(s), {layout} | global batch {cfg.train.global_batch_size} x "
               f"{cfg.train.seq_len} tokens, {self.accum_steps} microbatch(es) | compiled in "
               f"{self.compile_time_s:.1f}s | output {cfg.train.output_dir}")
-        print(f"data: {self.corpus.description}")
+        print(f"data: {self.data.description}")
         if self.resumed_from:
             print(f"resumed from {self.resumed_from}")
         if cfg.log.sharding_report:

@@ -1,0 +1,162 @@
+"""Hugging Face interop: logits match transformers, round trips are exact, trained sharded checkpoints export,
+and every unsupported source is one `error: ...` line with exit code 2."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402  (transformers brings safetensors)
+
+from mlm_jax import Trainer, load_config  # noqa: E402
+from mlm_jax.config import Config, ModelConfig  # noqa: E402
+from mlm_jax.convert import store  # noqa: E402
+from mlm_jax.convert.__main__ import main  # noqa: E402
+from mlm_jax.convert.pretrained import load_pretrained  # noqa: E402
+from mlm_jax.train.state import model_spec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000, rms_norm_eps=1e-6, tie_word_embeddings=False)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+}
+TOKENS_BS = np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, 24))
+
+
+def save_hf(path, family, dtype=torch.float32, max_shard_size="5GB", **overrides):
+    """A random model; every weight (norm scales and biases too) is perturbed, so a swapped tensor shows."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.to(dtype).save_pretrained(path, safe_serialization=True, max_shard_size=max_shard_size)
+    return model.eval()
+
+
+def hf_logits(model):
+    with torch.no_grad():
+        return model(torch.from_numpy(TOKENS_BS)).logits.float().numpy()
+
+
+def our_logits(path):
+    return np.asarray(load_pretrained(path, dtype="float32")(jnp.asarray(TOKENS_BS)))
+
+
+def hf_tensors(path):
+    tensors = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def convert(*args):
+    assert main([str(a) for a in args]) == 0
+
+
+@pytest.mark.parametrize("family, overrides", [
+    pytest.param("llama", {}, id="llama-gqa"),
+    pytest.param("llama", {"tie_word_embeddings": True}, id="llama-tied"),
+    pytest.param("qwen2", {}, id="qwen2-qkv-bias"),
+    pytest.param("mistral", {"head_dim": 8}, id="mistral-head-dim"),
+])
+def test_converted_model_logits_match_transformers(tmp_path, family, overrides):
+    hf = save_hf(tmp_path / "hf", family, max_shard_size="100KB", **overrides)  # sharded source, with an index
+    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
+    cfg = load_config(tmp_path / "ours" / "config.yaml")
+    assert cfg.model.qkv_bias == (family == "qwen2")
+    assert cfg.model.tie_embeddings == overrides.get("tie_word_embeddings", False)
+    assert np.abs(our_logits(tmp_path / "ours") - hf_logits(hf)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family, dtype, overrides, shard", [
+    pytest.param("llama", "float32", {}, "100KB", id="llama-fp32-sharded"),
+    pytest.param("qwen2", "bfloat16", {"tie_word_embeddings": True}, "2GB", id="qwen2-bf16-tied"),
+])
+def test_from_hf_then_to_hf_gives_identical_tensors(tmp_path, family, dtype, overrides, shard):
+    save_hf(tmp_path / "hf", family, dtype=getattr(torch, dtype), **overrides)
+    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
+    convert("to-hf", tmp_path / "ours" / "checkpoints", tmp_path / "back", "--dtype", dtype, "--max-shard-size", shard)
+    original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    assert all(back[k].dtype == original[k].dtype and torch.equal(back[k], original[k]) for k in original)
+    assert (tmp_path / "back" / "model.safetensors.index.json").exists() == (shard == "100KB")
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["architectures"] == [f"{'Qwen2' if family == 'qwen2' else 'Llama'}ForCausalLM"]
+    assert config["max_position_embeddings"] == transformers.AutoConfig.from_pretrained(
+        tmp_path / "hf").max_position_embeddings
+
+
+def test_checkpoint_trained_under_fsdp_tp_dp_exports_to_transformers(tmp_path):
+    hf = save_hf(tmp_path / "hf", "llama")
+    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
+    run = tmp_path / "run"
+    cfg = load_config(tmp_path / "ours" / "config.yaml", [
+        f"checkpoint.init_from={tmp_path / 'ours' / 'checkpoints'}", f"train.output_dir={run}", "train.steps=2",
+        "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2", "train.global_batch_size=8", "train.seq_len=32",
+        "train.eval_every=0", "log.progress=never", "data.max_bytes=2000000", "model.dtype=float32",
+        "optim.warmup_steps=0"])
+    trainer = Trainer(cfg)
+    start_BSV = np.asarray(trainer.model(jnp.asarray(TOKENS_BS)))
+    assert np.abs(start_BSV - hf_logits(hf)).max() <= 1e-4  # init_from read the converted weights, sharded
+    trainer.fit()
+    convert("to-hf", run, tmp_path / "export")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    trained_BSV = our_logits(run)
+    assert np.abs(trained_BSV - start_BSV).max() > 1e-3  # the two steps changed the weights
+    assert np.abs(hf_logits(exported) - trained_BSV).max() <= 1e-4
+
+
+def _config_only(tmp_path, **changes):
+    """A folder with a valid Llama config.json, edited, and no weights (config checks come first)."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "max_position_embeddings": 2048, **TINY, **changes}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _layernorm_checkpoint(tmp_path):
+    m = ModelConfig(vocab_size=256, hidden_size=32, num_layers=1, num_heads=2, ffn_size=64, norm="layernorm")
+    zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), model_spec(m).shapes)
+    store.save_weights(str(tmp_path / "checkpoints"), zeros, {"step": 0, "config": Config(model=m).to_dict()})
+    return tmp_path / "checkpoints"
+
+
+ERRORS = {
+    "unknown-architecture": (lambda t: ["from-hf", _config_only(t, architectures=["GPT2LMHeadModel"]), t / "o"],
+                             ["architecture 'GPT2LMHeadModel'", "LlamaForCausalLM"]),
+    "rope-scaling": (lambda t: ["from-hf", _config_only(t, rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+                                t / "o"], ["rope_scaling 'llama3'"]),
+    "mistral-sliding-window": (lambda t: ["from-hf", _config_only(
+        t, architectures=["MistralForCausalLM"], sliding_window=1024), t / "o"], ["sliding_window=1024"]),
+    "gelu": (lambda t: ["from-hf", _config_only(t, hidden_act="gelu"), t / "o"], ["hidden_act='gelu'"]),
+    "no-config-json": (lambda t: ["from-hf", t, t / "o"], ["config.json: no such file"]),
+    "no-safetensors": (lambda t: ["from-hf", _config_only(t), t / "o"], ["no *.safetensors"]),
+    "no-checkpoint": (lambda t: ["to-hf", t, t / "o"], ["no checkpoint there"]),
+    "layernorm-export": (lambda t: ["to-hf", _layernorm_checkpoint(t), t / "o"],
+                         ["model.norm=layernorm cannot be exported"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_cli_rejects_unsupported_input_with_one_line(tmp_path, case):
+    make_args, expected = ERRORS[case]
+    args = [str(a) for a in make_args(tmp_path)]
+    result = subprocess.run([sys.executable, "-m", "mlm_jax.convert", *args], cwd=REPO, env=dict(os.environ),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert all(s in lines[0] for s in expected), lines[0]
