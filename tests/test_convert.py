@@ -31,6 +31,9 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
 }
+SAME_CONFIG = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
+               "max_position_embeddings", "bos_token_id", "eos_token_id", "dtype")
 TOKENS_BS = np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, 24))
 
 
@@ -69,7 +72,7 @@ def convert(*args):
 @pytest.mark.parametrize("family, overrides", [
     pytest.param("llama", {}, id="llama-gqa"),
     pytest.param("llama", {"tie_word_embeddings": True}, id="llama-tied"),
-    pytest.param("qwen2", {}, id="qwen2-qkv-bias"),
+    pytest.param("qwen2", {"rope_theta": 1e6}, id="qwen2-qkv-bias"),
     pytest.param("mistral", {"head_dim": 8}, id="mistral-head-dim"),
 ])
 def test_converted_model_logits_match_transformers(tmp_path, family, overrides):
@@ -83,7 +86,7 @@ def test_converted_model_logits_match_transformers(tmp_path, family, overrides):
 
 @pytest.mark.parametrize("family, dtype, overrides, shard", [
     pytest.param("llama", "float32", {}, "100KB", id="llama-fp32-sharded"),
-    pytest.param("qwen2", "bfloat16", {"tie_word_embeddings": True}, "2GB", id="qwen2-bf16-tied"),
+    pytest.param("qwen2", "bfloat16", {"tie_word_embeddings": True, "rope_theta": 1e6}, "2GB", id="qwen2-bf16-tied"),
 ])
 def test_from_hf_then_to_hf_gives_identical_tensors(tmp_path, family, dtype, overrides, shard):
     save_hf(tmp_path / "hf", family, dtype=getattr(torch, dtype), **overrides)
@@ -93,10 +96,9 @@ def test_from_hf_then_to_hf_gives_identical_tensors(tmp_path, family, dtype, ove
     assert sorted(back) == sorted(original)
     assert all(back[k].dtype == original[k].dtype and torch.equal(back[k], original[k]) for k in original)
     assert (tmp_path / "back" / "model.safetensors.index.json").exists() == (shard == "100KB")
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert config["architectures"] == [f"{'Qwen2' if family == 'qwen2' else 'Llama'}ForCausalLM"]
-    assert config["max_position_embeddings"] == transformers.AutoConfig.from_pretrained(
-        tmp_path / "hf").max_position_embeddings
+    before, after = (transformers.AutoConfig.from_pretrained(tmp_path / d) for d in ("hf", "back"))
+    assert type(after) is type(before)
+    assert {k: getattr(after, k) for k in SAME_CONFIG} == {k: getattr(before, k) for k in SAME_CONFIG}
 
 
 def test_checkpoint_trained_under_fsdp_tp_dp_exports_to_transformers(tmp_path):

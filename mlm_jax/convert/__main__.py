@@ -42,9 +42,10 @@ def main(argv=None) -> int:
             llama.read_source(args.src)  # a bad source fails here, before jax loads
             from mlm_jax.convert.hf import from_hf
             cfg = from_hf(args.src, args.dst)
-            print(f"wrote {args.dst}: config.yaml and checkpoints/0 ({cfg.model.num_layers} layers, "
-                  f"vocabulary {cfg.model.vocab_size}); fine-tune with: python -m mlm_jax.train --config "
-                  f"{os.path.join(args.dst, 'config.yaml')} checkpoint.init_from={os.path.join(args.dst, 'checkpoints')}")
+            config, checkpoints = os.path.join(args.dst, "config.yaml"), os.path.join(args.dst, "checkpoints")
+            print(f"wrote {args.dst}: config.yaml and checkpoints/0 ({cfg.model.num_layers} layers, vocabulary "
+                  f"{cfg.model.vocab_size}); fine-tune with: python -m mlm_jax.train --config {config} "
+                  f"checkpoint.init_from={checkpoints}")
         else:
             from mlm_jax.convert.hf import to_hf
             config = to_hf(args.checkpoint, args.dst, args.dtype, args.max_shard_size)

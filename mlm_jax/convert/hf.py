@@ -12,7 +12,7 @@ import math
 import os
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 import yaml
 from safetensors import safe_open
@@ -22,7 +22,7 @@ from mlm_jax.config import Config, validate
 from mlm_jax.convert import ConvertError, llama, store
 from mlm_jax.train.state import model_spec
 
-EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
 
 
 def _require_empty(dst: str) -> None:
@@ -59,7 +59,7 @@ def from_hf(src: str, dst: str) -> Config:
                 for i in range(shape[0]):
                     value[i] = read(e, shape[1:], i)
             else:
-                value = read(e, shape).astype(dtype)
+                value = read(e, shape).astype(dtype, copy=False)
             node = params
             for key in e.path[:-1]:
                 node = node.setdefault(key, {})
@@ -114,7 +114,7 @@ def to_hf(path: str, dst: str, dtype: str = "float32", max_shard_bytes: int = 2 
         for name, e, i, _ in (tensors[j] for j in shard):
             value = np.asarray(_get(params, e.path))
             value = value if i is None else value[i]
-            out[name] = np.ascontiguousarray(llama.to_hf(e, value).astype(out_dtype))
+            out[name] = np.ascontiguousarray(llama.to_hf(e, value), dtype=out_dtype)
             weight_map[name] = file
         save_file(out, os.path.join(dst, file), metadata={"format": "pt"})
     if len(shards) > 1:

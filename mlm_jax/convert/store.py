@@ -58,6 +58,8 @@ def open_checkpoint(path: str) -> Checkpoint:
         raise ConvertError(f"{directory}/{step}: unreadable metadata ({str(e).splitlines()[0][:200]})") from None
     finally:
         manager.close()
+    if meta.get("format") != ckpt.FORMAT or "model" not in meta.get("config", {}):
+        raise ConvertError(f"{directory}/{step}: not an mlm_jax checkpoint of format {ckpt.FORMAT}")
     return Checkpoint(directory, step, dict(meta))
 
 
