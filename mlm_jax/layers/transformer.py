@@ -55,9 +55,14 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
         if positions_BS is None:
-            positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
-        x_BSD = self.embed(tokens_BS)
-        graphdef, stacked_state = nnx.split(self.blocks)
+            positions_BS = default_positions(tokens_BS)
+        x_BSD = self.run_blocks(self.embed(tokens_BS), positions_BS)
+        return self.logits(x_BSD)
+
+    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None) -> jax.Array:
+        """A scan over the stacked blocks, or over `stacked_state` (a slice of them: a pipeline chunk)."""
+        graphdef, state = nnx.split(self.blocks)
+        stacked_state = state if stacked_state is None else stacked_state
 
         def layer(x_BSD, layer_state):
             return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS)
@@ -65,6 +70,14 @@ class Transformer(nnx.Module):
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         x_BSD, _ = jax.lax.scan(lambda x, s: (layer(x, s), None), x_BSD, stacked_state)
+        return x_BSD
+
+    def logits(self, x_BSD: jax.Array) -> jax.Array:
+        """Final norm and output head."""
         x_BSD = ax.constrain(self.final_norm(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
         logits_BSV = self.embed.attend(x_BSD) if not hasattr(self, "head") else self.head(x_BSD)
         return ax.constrain(logits_BSV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
+
+
+def default_positions(tokens_BS: jax.Array) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
