@@ -67,6 +67,8 @@ class ParallelConfig:
     context: int = 1
     expert: int = 1
     tensor: int = 1
+    virtual_stages: int = 1
+    pipeline_schedule: str = "1f1b"
     sequence_parallel: bool = False
     shard_optimizer: bool = False
     rules: Any = "default"
@@ -79,6 +81,7 @@ class TrainConfig:
     steps: int = 200
     global_batch_size: int = 16
     micro_batch_size: int | None = None
+    num_microbatches: int | None = None  # the same split as micro_batch_size: give either (or both, consistent)
     seq_len: int = 128
     seed: int = 0
     output_dir: str | None = None
@@ -165,12 +168,14 @@ CHOICES = {
     "optim.schedule": ("cosine", "wsd", "constant"),
     "log.progress": ("auto", "always", "never"),
     "train.nan_policy": ("skip", "stop"),
+    "parallel.pipeline_schedule": ("1f1b", "gpipe"),
 }
 
 POSITIVE = (
     "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.ffn_size", "train.steps", "train.global_batch_size", "train.micro_batch_size",
-    "train.seq_len", "train.log_every", "train.eval_batches", "checkpoint.keep",
+    "train.seq_len", "train.log_every", "train.eval_batches", "checkpoint.keep", "train.num_microbatches",
+    "parallel.virtual_stages",
 )
 
 

@@ -67,9 +67,17 @@ def test_resume_across_layouts_matches_uninterrupted_run(tmp_path):
     _assert_close(_chain(tmp_path, layouts, [8, 8, 8]), ref)
 
 
+def test_resume_between_pipelined_and_plain_layouts_matches_uninterrupted_run(tmp_path):
+    ref = losses(trainer(tmp_path / "ref", "train.steps=6", *FP32, "parallel.data=8").fit())
+    layouts = [["parallel.data=8"], ["parallel.stage=2", "parallel.data=4"],
+               ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.fsdp=2", "parallel.data=2",
+                "parallel.pipeline_schedule=gpipe"]]
+    _assert_close(_chain(tmp_path, layouts, [8, 8, 8]), ref)
+
+
 def test_resume_on_fewer_devices_matches_uninterrupted_run(tmp_path):
     ref = losses(trainer(tmp_path / "ref", "train.steps=6", *FP32, "parallel.data=8").fit())
-    layouts = [["parallel.data=8"], ["parallel.data=2", "parallel.fsdp=2"], ["parallel.data=1"]]
+    layouts = [["parallel.stage=2", "parallel.data=4"], ["parallel.data=2", "parallel.fsdp=2"], ["parallel.data=1"]]
     _assert_close(_chain(tmp_path, layouts, [8, 4, 1]), ref)
 
 

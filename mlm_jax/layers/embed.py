@@ -16,7 +16,10 @@ class Embed(nnx.Module):
                                (ax.VOCAB, ax.EMBED))
 
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-        x_BSD = jnp.take(self.embedding[...], tokens_BS, axis=0).astype(self.dtype)
+        # The lookup reads a whole table: a gather from a table split over its vocabulary would make XLA move
+        # the token ids between devices (collective permutes) instead of gathering the table once.
+        table_VD = ax.constrain(self.embedding[...].astype(self.dtype), (None, None))
+        x_BSD = jnp.take(table_VD, tokens_BS, axis=0)
         return ax.constrain(x_BSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
 
     def attend(self, x_BSD: jax.Array) -> jax.Array:

@@ -35,31 +35,51 @@ def data_parallel_degree(degrees: dict[str, int]) -> int:
 
 
 def accumulation_steps(cfg: Config, degrees: dict[str, int]) -> int:
-    """Microbatches per step: global batch / (micro batch x data-parallel degree), 1 without a micro batch."""
+    """Microbatches per step, M: global batch = micro batch x data-parallel degree x M.
+
+    `train.micro_batch_size` and `train.num_microbatches` describe the same split; without either, M is 1 (or the
+    pipeline depth, the fewest microbatches that fill a pipeline).
+    """
     t = cfg.train
     dp = data_parallel_degree(degrees)
-    micro = t.micro_batch_size or max(t.global_batch_size // dp, 1)
-    if t.global_batch_size % (dp * micro):
-        what = f"train.micro_batch_size={t.micro_batch_size} x " if t.micro_batch_size else ""
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by {what}data-parallel degree {dp} "
-            f"(data x fsdp x expert)")
-    return t.global_batch_size // (dp * micro)
+    B, micro, M = t.global_batch_size, t.micro_batch_size, t.num_microbatches
+    if micro and M and micro * dp * M != B:
+        raise ConfigError(f"train.micro_batch_size={micro} x data-parallel degree {dp} x train.num_microbatches={M} "
+                          f"!= train.global_batch_size={B}")
+    if not micro:
+        M = M or (degrees["stage"] if degrees["stage"] > 1 else 1)
+        if B % (dp * M):
+            what = f"train.num_microbatches={M} x " if M > 1 else ""
+            raise ConfigError(f"train.global_batch_size={B} is not divisible by {what}data-parallel degree {dp} "
+                              f"(data x fsdp x expert)")
+        return M
+    if B % (dp * micro):
+        raise ConfigError(f"train.global_batch_size={B} is not divisible by train.micro_batch_size={micro} x "
+                          f"data-parallel degree {dp} (data x fsdp x expert)")
+    return B // (dp * micro)
 
 
 def _check_layout(cfg: Config, d: dict[str, int]) -> None:
     m, t = cfg.model, cfg.train
-    if d["stage"] > 1:
-        if m.num_layers % d["stage"]:
-            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.stage={d['stage']}")
-        raise ConfigError(f"parallel.stage={d['stage']}: pipeline parallelism is not available yet; use stage=1")
+    P, V = d["stage"], cfg.parallel.virtual_stages
+    if V > 1 and P == 1:
+        raise ConfigError(f"parallel.virtual_stages={V} needs pipeline stages (parallel.stage > 1)")
+    if m.num_layers % (P * V):
+        what = f"parallel.stage={P}" + (f" x parallel.virtual_stages={V}" if V > 1 else "")
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by {what}")
     if m.num_heads % d["tensor"]:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={d['tensor']}")
     if m.kv_heads % d["tensor"]:
         raise ConfigError(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tensor={d['tensor']}")
     if t.seq_len % d["context"]:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.context={d['context']}")
-    accumulation_steps(cfg, d)
+    M = accumulation_steps(cfg, d)
+    if P > 1 and M < P:
+        raise ConfigError(f"{M} microbatch(es) cannot fill parallel.stage={P} pipeline stages: set "
+                          f"train.num_microbatches >= {P}")
+    if P > 1 and V > 1 and M % P:
+        raise ConfigError(f"train.num_microbatches={M} must be a multiple of parallel.stage={P} with "
+                          f"parallel.virtual_stages={V}")
 
 
 def build_mesh(degrees: dict[str, int], devices=None) -> Mesh:

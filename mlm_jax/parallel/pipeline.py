@@ -38,10 +38,15 @@ def _tables(rows) -> tuple[jax.Array, jax.Array, jax.Array]:
     return jnp.asarray(valid), jnp.asarray(v), jnp.asarray(m)
 
 
-def _split_microbatches(x_BS: jax.Array, M: int) -> jax.Array:
-    """(B, S) -> (M, B/M, S); row j*M + m goes to microbatch m, so each keeps the batch's data-parallel split."""
+def _split_microbatches(x_BS: jax.Array, M: int, seq_name: str) -> jax.Array:
+    """(B, S) -> (M, B/M, S); row j*M + m goes to microbatch m, so each keeps the batch's data-parallel split.
+
+    The sequence dim takes the layout its consumer needs (`seq_name`) here, outside the stage-dependent branches:
+    a resharding collective inside a branch that only some stages take would wait for the others forever.
+    """
     b, s = x_BS.shape
-    return ax.constrain(x_BS.reshape(b // M, M, s), (ax.ACT_BATCH, None, None)).swapaxes(0, 1)
+    x_MbS = ax.constrain(x_BS.reshape(b // M, M, s), (ax.ACT_BATCH, None, None)).swapaxes(0, 1)
+    return ax.constrain(x_MbS, (None, ax.ACT_BATCH, seq_name))
 
 
 def _at(tree, i):
@@ -64,8 +69,8 @@ def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh
     Lc = L // (V * P)
     blocks = jax.tree.map(lambda a: a.reshape(V, P, Lc, *a.shape[1:]), params["blocks"])
     rest = {k: v for k, v in params.items() if k != "blocks"}
-    tokens_MbS = _split_microbatches(batch["inputs"], M)
-    targets_MbS = _split_microbatches(batch["targets"], M)
+    tokens_MbS = _split_microbatches(batch["inputs"], M, ax.ACT_SEQ_SP)  # the embedding's output layout
+    targets_MbS = _split_microbatches(batch["targets"], M, ax.ACT_SEQ)  # the logits' layout
     run = _one_f_one_b if schedule.kind == "1f1b" else _gpipe
     return run(graphdef, blocks, rest, tokens_MbS, targets_MbS, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
                layers=L)

@@ -25,7 +25,7 @@ _PARAMS: Rules = (
     (ax.KV_HEADS, ("tensor",)),
     (ax.MLP, ("tensor",)),
     (ax.HEAD_DIM, ()),
-    (ax.LAYERS, ()),
+    (ax.LAYERS, ("stage",)),  # pipeline stages hold their own layers
     (ax.NORM, ()),
 )
 _ACTIVATIONS: Rules = (

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -20,9 +21,12 @@ from mlm_jax.config import Config, ConfigError, to_yaml
 from mlm_jax.layers import axes as ax
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.mesh import accumulation_steps, build_mesh, resolve_degrees
+from mlm_jax.parallel.pipeline import pipeline_value_and_grad
+from mlm_jax.parallel.schedule import SCHEDULES, theoretical_bubble
 from mlm_jax.parallel.rules import make_rules, resolve
 from mlm_jax.train import checkpoint as ckpt
 from mlm_jax.train import metrics as mt
+from mlm_jax.train.loss import cross_entropy
 from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import (TrainState, abstract_state, init_params, init_state, model_spec,
                                  opt_state_shardings, state_shardings)
@@ -122,11 +126,17 @@ class Trainer:
     def _build_steps(self) -> None:
         cfg = self.cfg
         zero1 = cfg.parallel.shard_optimizer
+        self.schedule, pipeline = None, None
+        if self.degrees["stage"] > 1:
+            p = cfg.parallel
+            self.schedule = SCHEDULES[p.pipeline_schedule](self.degrees["stage"], p.virtual_stages, self.accum_steps)
+            pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef, mesh=self.mesh,
+                                         schedule=self.schedule, loss_fn=cross_entropy)
         step = make_train_step(
             self.spec.graphdef, self.tx, accum_steps=self.accum_steps, resolver=self.resolver,
             master_shardings=self.master_shardings,
             compute_shardings=shd.named(self.mesh, self.param_specs) if zero1 else None,
-            compute_dtype=jnp.dtype(cfg.model.dtype), lr_schedule=self.lr_schedule)
+            compute_dtype=jnp.dtype(cfg.model.dtype), lr_schedule=self.lr_schedule, pipeline=pipeline)
         shardings = state_shardings(self.state)
         batch_shardings = {"inputs": self.batch_sharding, "targets": self.batch_sharding}
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
@@ -239,6 +249,10 @@ class Trainer:
               f"{cfg.train.seq_len} tokens, {self.accum_steps} microbatch(es) | compiled in "
               f"{self.compile_time_s:.1f}s | output {cfg.train.output_dir}")
         print(f"data: {self.data.description}")
+        if self.schedule is not None:
+            s = self.schedule
+            print(f"pipeline: {s.kind}, {s.stages} stages x {s.virtual} virtual, {s.microbatches} microbatches, "
+                  f"{s.ticks} ticks, bubble {100 * theoretical_bubble(s.stages, s.virtual, s.microbatches):.1f}%")
         if self.resumed_from:
             print(f"resumed from {self.resumed_from}")
         if cfg.log.sharding_report:

@@ -23,20 +23,23 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: int, resolver: Callable,
                     master_shardings, compute_shardings=None, compute_dtype=jnp.float32,
-                    lr_schedule: optax.Schedule) -> Callable:
+                    lr_schedule: optax.Schedule, pipeline: Callable | None = None) -> Callable:
     """`step(state, batch) -> (state, metrics)`.
 
     With `compute_shardings` (ZeRO-1), the sharded fp32 master weights are cast to `compute_dtype` and gathered
     into the compute layout once per step; gradients come back reduce-scattered into the master layout.
+    `pipeline(params, batch) -> (loss, grads)` replaces autodiff and the accumulation scan: it runs the
+    microbatches through the pipeline stages itself.
     """
     loss_fn = make_loss_fn(graphdef)
+    value_and_grad = pipeline or jax.value_and_grad(loss_fn)
 
     def grads_of(params, batch):
         if compute_shardings is None:
-            return jax.value_and_grad(loss_fn)(params, batch)
+            return value_and_grad(params, batch)
         compute = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: p.astype(compute_dtype), params), compute_shardings)
-        loss, grads = jax.value_and_grad(loss_fn)(compute, batch)
+        loss, grads = value_and_grad(compute, batch)
         return loss, to_master(grads)
 
     def to_master(grads):
@@ -66,7 +69,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: 
 
     def step(state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
         with ax.activation_resolver(resolver):
-            if accum_steps == 1:
+            if accum_steps == 1 or pipeline is not None:
                 loss, grads = grads_of(state.params, batch)
             else:
                 loss, grads = accumulate(state.params, batch)
