@@ -178,13 +178,13 @@ def test_explicit_degrees_matching_the_device_count_resolve():
     (["parallel.context=8", "parallel.data=1", "train.seq_len=100"],
      r"train\.seq_len=100 is not divisible by parallel\.context=8"),
     (["parallel.stage=8", "parallel.data=1"], r"model\.num_layers=4 is not divisible by parallel\.stage=8"),
-    (["parallel.stage=2", "parallel.data=4"], r"parallel\.stage=2: pipeline parallelism is not available"),
+    (["parallel.stage=4", "parallel.data=2", "train.num_microbatches=2"], r"cannot fill parallel\.stage=4"),
     (["train.global_batch_size=12"], r"train\.global_batch_size=12 is not divisible by data-parallel degree 8"),
     (["train.micro_batch_size=3"],
      r"train\.global_batch_size=16 is not divisible by train\.micro_batch_size=3 x data-parallel degree 8"),
     (["train.global_batch_size=4"], r"train\.global_batch_size=4 is not divisible by data-parallel degree 8"),
 ], ids=["minus-one-not-dividing", "product-short", "product-short-two-axes", "heads-by-tensor",
-        "kv-heads-by-tensor", "seq-len-by-context", "layers-by-stage", "stage-unavailable",
+        "kv-heads-by-tensor", "seq-len-by-context", "layers-by-stage", "microbatches-below-stages",
         "global-batch-by-dp", "micro-batch", "global-batch-below-dp"])
 def test_degree_error_names_key_and_value(overrides, message):
     with pytest.raises(ConfigError, match=message):
