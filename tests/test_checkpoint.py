@@ -151,6 +151,24 @@ def test_signal_saves_and_exits_0_then_the_cli_resumes_bit_exactly(tmp_path, sig
     assert _logged_losses(tmp_path / "split") == _logged_losses(tmp_path / "full")
 
 
+def test_cli_resumes_a_run_under_other_layouts_with_the_same_losses(tmp_path):
+    """Through the CLI: 2 steps under data=8, then 2 under data=2,fsdp=2,tensor=2, then 2 under tensor=4 with
+    sequence parallelism and ZeRO-1 (a constant learning rate, so stopping early does not change the schedule)."""
+    run = [*FP32, "optim.schedule=constant"]
+    full = _cli(tmp_path / "full", *run, "train.steps=6", "parallel.data=8")
+    assert full.wait(timeout=300) == 0, full.stderr.read()
+    for steps, layout in [(2, ["parallel.data=8"]),
+                          (4, ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"]),
+                          (6, ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true",
+                               "parallel.shard_optimizer=true"])]:
+        proc = _cli(tmp_path / "split", *run, f"train.steps={steps}", *layout)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    got, ref = dict(_logged_losses(tmp_path / "split")), dict(_logged_losses(tmp_path / "full"))
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([got[s] for s in range(1, 7)], [ref[s] for s in range(1, 7)], rtol=1e-5)
+
+
 def test_a_failing_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path, monkeypatch):
     t = trainer(tmp_path, "train.steps=4", "checkpoint.every=2")
     t.fit(steps=2)
