@@ -18,8 +18,9 @@ class Embed(nnx.Module):
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
         # The lookup reads a whole table: a gather from a table split over its vocabulary would make XLA move
         # the token ids between devices (collective permutes) instead of gathering the table once.
-        table_VD = ax.constrain(self.embedding[...].astype(self.dtype), (None, None))
-        x_BSD = jnp.take(table_VD, tokens_BS, axis=0)
+        # Gathered in the parameter dtype, so repeated tokens' gradients add up in fp32.
+        table_VD = ax.constrain(self.embedding[...], (None, None))
+        x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(self.dtype)
         return ax.constrain(x_BSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
 
     def attend(self, x_BSD: jax.Array) -> jax.Array:
