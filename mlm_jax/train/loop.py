@@ -30,11 +30,11 @@ from mlm_jax.train.loss import cross_entropy
 from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import (TrainState, abstract_state, init_params, init_state, model_spec,
                                  opt_state_shardings, state_shardings)
+from mlm_jax.train.step import make_eval_step, make_train_step
 
 
 class TrainingStopped(RuntimeError):
     """Training ended early on purpose (`train.nan_policy=stop`); the message is one line."""
-from mlm_jax.train.step import make_eval_step, make_train_step
 
 
 class Trainer:
