@@ -47,6 +47,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention_impl: str = "auto"
+    scan_layers: bool = True  # a lax.scan over the layers compiles once per model; unrolled runs faster
+    precision: str = "bf16"  # matmuls in `dtype` (bf16), XLA fp8 with current scaling, or Transformer Engine fp8
 
     @property
     def kv_heads(self) -> int:
@@ -72,6 +74,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     shard_optimizer: bool = False
     rules: Any = "default"
+    # Degrees across hosts/slices (the slow network): each multiplies the same axis' degree within a host.
+    dcn_data: int = 1
+    dcn_stage: int = 1
+    dcn_fsdp: int = 1
 
 
 @dataclass(frozen=True)
@@ -136,8 +142,13 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
+    """`profile_steps: [a, b]` writes a jax.profiler trace of steps a..b (1-based, inclusive) to `profile_dir`
+    (default `<train.output_dir>/profile`)."""
+
     sharding_report: bool = False
     progress: str = "auto"
+    profile_steps: list | None = None
+    profile_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +175,8 @@ CHOICES = {
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.remat": ("none", "dots", "full"),
-    "model.attention_impl": ("auto", "cudnn", "xla"),
+    "model.attention_impl": ("auto", "cudnn", "xla", "te"),
+    "model.precision": ("bf16", "fp8", "fp8_te"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "log.progress": ("auto", "always", "never"),
     "train.nan_policy": ("skip", "stop"),
@@ -175,7 +187,7 @@ POSITIVE = (
     "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
     "model.head_dim", "model.ffn_size", "train.steps", "train.global_batch_size", "train.micro_batch_size",
     "train.seq_len", "train.log_every", "train.eval_batches", "checkpoint.keep", "train.num_microbatches",
-    "parallel.virtual_stages",
+    "parallel.virtual_stages", "parallel.dcn_data", "parallel.dcn_stage", "parallel.dcn_fsdp",
 )
 
 
@@ -324,6 +336,10 @@ def validate(cfg: Config) -> None:
     if sum(v == -1 for v in degrees.values()) > 1:
         many = ", ".join(f"parallel.{k}" for k, v in degrees.items() if v == -1)
         raise ConfigError(f"more than one degree is -1 ({many}); at most one may take the remaining devices")
+    ps = cfg.log.profile_steps
+    if ps is not None and not (len(ps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in ps)
+                               and 1 <= ps[0] <= ps[1]):
+        raise ConfigError(f"log.profile_steps={ps}: expected [first, last] steps with 1 <= first <= last")
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0 = only at the end)")
     if cfg.checkpoint.resume == "":
