@@ -43,6 +43,8 @@ def test_single_device_reference_trains(single_device):
     pytest.param(["parallel.data=8", "parallel.shard_optimizer=true"], id="data8-zero1"),
     pytest.param(["parallel.data=2", "parallel.fsdp=4", "parallel.rules=fsdp_full",
                   "parallel.shard_optimizer=true"], id="data2-fsdp4-fsdp_full-zero1"),
+    pytest.param(["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                  "model.scan_layers=false", "model.remat=full"], id="data2-fsdp2-tensor2-sp-unrolled-remat"),
 ])
 def test_layout_matches_single_device(layout, single_device, tmp_path):
     assert_matches(losses_and_grad_norms(layout, 8, tmp_path), single_device)

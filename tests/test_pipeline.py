@@ -30,6 +30,8 @@ LAYOUTS = {
     "stage2": ["parallel.stage=2", "parallel.data=4"],
     "stage4": ["parallel.stage=4", "parallel.data=2"],
     "stage2-virtual2": ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=4"],
+    "stage2-virtual2-unrolled": ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=4",
+                                 "model.scan_layers=false"],
     "stage4-virtual2-m8-remat": ["parallel.stage=4", "parallel.virtual_stages=2", "parallel.data=2",
                                  "train.num_microbatches=8", "model.remat=full"],
     "stage2-tensor2-data2-sp": ["parallel.stage=2", "parallel.tensor=2", "parallel.data=2",

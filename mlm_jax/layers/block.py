@@ -24,12 +24,14 @@ class BlockConfig:
     norm_eps: float
     init_std: float
     out_std: float  # output projections are scaled down with depth (GPT-2 / Megatron init)
+    precision: str = "bf16"  # of the block's matmuls (the output head stays in `dtype`)
 
 
 class Block(nnx.Module):
     def __init__(self, c: BlockConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         nkw = dict(kind=c.norm, eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype)
-        kw = dict(std=c.init_std, out_std=c.out_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(std=c.init_std, out_std=c.out_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                  precision=c.precision)
         self.attn_norm = Norm(c.attention.dim, **nkw)
         self.attn = Attention(c.attention, **kw)
         self.mlp_norm = Norm(c.attention.dim, **nkw)

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlm_jax.layers.fp8 import fp8_einsum
+
 
 def param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
     """A parameter tagged with logical dim names; the trainer resolves them, layers never see a mesh."""
@@ -17,16 +19,19 @@ class Linear(nnx.Module):
     """`y = einsum(equation, x, kernel) [+ bias]`; weights stored in `param_dtype`, operands cast to `dtype`.
 
     `bias_dims` is how many trailing kernel dims are output dims (and so the bias shape); 0 = no bias.
+    `precision`: bf16 multiplies in `dtype`; fp8 in XLA fp8 (`layers/fp8.py`).
     """
 
     def __init__(self, equation: str, kernel_shape: Sequence[int], names: Sequence[str], *, std: float,
-                 dtype, param_dtype, rngs: nnx.Rngs, bias_dims: int = 0):
+                 dtype, param_dtype, rngs: nnx.Rngs, bias_dims: int = 0, precision: str = "bf16"):
         self.equation = equation
         self.dtype = dtype
+        self.precision = precision
         self.kernel = param(std * jax.random.normal(rngs.params(), tuple(kernel_shape), param_dtype), names)
         if bias_dims:
             self.bias = param(jnp.zeros(tuple(kernel_shape)[-bias_dims:], param_dtype), tuple(names)[-bias_dims:])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        y = fp8_einsum(self.equation, x, kernel) if self.precision == "fp8" else jnp.einsum(self.equation, x, kernel)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y

@@ -10,9 +10,9 @@ from mlm_jax.layers.linear import Linear
 
 class MLP(nnx.Module):
     def __init__(self, dim: int, ffn: int, *, activation: str, std: float, out_std: float, dtype, param_dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, precision: str = "bf16"):
         self.activation = activation
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision)
         self.up = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)
         if activation == "swiglu":
             self.gate = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)
