@@ -372,7 +372,7 @@ def parse_args(argv=None):
         if argv[i] == "--xla-flags":
             argv[i:i + 2] = [f"--xla-flags={argv[i + 1]}"]
             break
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after options
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args

@@ -38,7 +38,9 @@ class Block(nnx.Module):
         self.mlp = MLP(c.attention.dim, c.ffn_size, activation=c.activation, **kw)
 
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
-        h_BSD = ax.constrain(self.attn_norm(x_BSD), GATHERED)
-        x_BSD = ax.constrain(x_BSD + self.attn(h_BSD, positions_BS), RESIDUAL)
-        h_BSD = ax.constrain(self.mlp_norm(x_BSD), GATHERED)
-        return ax.constrain(x_BSD + self.mlp(h_BSD), RESIDUAL)
+        with jax.named_scope("attention"):  # scopes name the kernels in profiles and HLO dumps
+            h_BSD = ax.constrain(self.attn_norm(x_BSD), GATHERED)
+            x_BSD = ax.constrain(x_BSD + self.attn(h_BSD, positions_BS), RESIDUAL)
+        with jax.named_scope("mlp"):
+            h_BSD = ax.constrain(self.mlp_norm(x_BSD), GATHERED)
+            return ax.constrain(x_BSD + self.mlp(h_BSD), RESIDUAL)

@@ -57,7 +57,9 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
         if positions_BS is None:
             positions_BS = default_positions(tokens_BS)
-        x_BSD = self.run_blocks(self.embed(tokens_BS), positions_BS)
+        with jax.named_scope("embed"):
+            x_BSD = self.embed(tokens_BS)
+        x_BSD = self.run_blocks(x_BSD, positions_BS)
         return self.logits(x_BSD)
 
     def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None) -> jax.Array:
@@ -84,9 +86,10 @@ class Transformer(nnx.Module):
 
     def logits(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and output head."""
-        x_BSD = ax.constrain(self.final_norm(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
-        logits_BSV = self.embed.attend(x_BSD) if not hasattr(self, "head") else self.head(x_BSD)
-        return ax.constrain(logits_BSV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
+        with jax.named_scope("head"):
+            x_BSD = ax.constrain(self.final_norm(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+            logits_BSV = self.embed.attend(x_BSD) if not hasattr(self, "head") else self.head(x_BSD)
+            return ax.constrain(logits_BSV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
 
 
 def default_positions(tokens_BS: jax.Array) -> jax.Array:

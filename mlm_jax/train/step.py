@@ -17,7 +17,8 @@ from mlm_jax.train.state import TrainState
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
     def loss_fn(params, batch) -> jax.Array:
         logits_BSV = nnx.merge(graphdef, params)(batch["inputs"])
-        return cross_entropy(logits_BSV, batch["targets"])
+        with jax.named_scope("loss"):
+            return cross_entropy(logits_BSV, batch["targets"])
     return loss_fn
 
 
@@ -73,14 +74,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: 
                 loss, grads = grads_of(state.params, batch)
             else:
                 loss, grads = accumulate(state.params, batch)
-        grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-        new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
-                               opt_state=keep(opt_state, state.opt_state),
-                               skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32))
+        with jax.named_scope("optimizer"):
+            grad_norm = optax.tree.norm(grads)
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+            new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
+                                   opt_state=keep(opt_state, state.opt_state),
+                                   skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
                    "skipped_steps": new_state.skipped_steps}
         return new_state, metrics
