@@ -1,11 +1,19 @@
-"""FP8 matmuls (model.precision=fp8): quantization, forward and gradient numerics, and training, on CPU."""
+"""FP8 matmuls (model.precision=fp8): quantization, forward and gradient numerics, and training, on CPU; and the
+Transformer Engine adapter (attention_impl=te, precision=fp8_te) through a stand-in module."""
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from mlm_jax import Trainer, load_config
 from mlm_jax.layers.fp8 import E4M3, E5M2, fp8_einsum, quantize
+from mlm_jax.layers.transformer import Transformer
+from mlm_jax.train.state import model_spec
 
 
 def rel(a, b):
@@ -78,3 +86,65 @@ def test_fp8_training_tracks_bf16_and_composes_with_tensor_parallelism(tmp_path)
     assert bf16 < 3.5  # it learned (about 5.5 at the start)
     assert abs(fp8 - bf16) / bf16 < 0.03
     assert abs(fp8_tp - bf16) / bf16 < 0.03
+
+
+FAKE_TE = {  # the parts of Transformer Engine 2.x's JAX API that layers/te.py calls, computed with plain JAX
+    "transformer_engine/__init__.py": "",
+    "transformer_engine/common/__init__.py": "",
+    "transformer_engine/common/recipe.py": "class Float8CurrentScaling:\n    pass\n",
+    "transformer_engine/jax/__init__.py": (
+        "import contextlib\n"
+        "@contextlib.contextmanager\n"
+        "def fp8_autocast(enabled=False, fp8_recipe=None):\n"
+        "    yield\n"),
+    "transformer_engine/jax/quantize.py": (
+        "class QuantizerFactory:\n"
+        "    @staticmethod\n"
+        "    def create_set():\n"
+        "        return 'quantizers'\n"),
+    "transformer_engine/jax/dense.py": (
+        "import jax\n"
+        "def dense(x, kernel, contracting_dims, quantizer_set):\n"
+        "    assert quantizer_set == 'quantizers'\n"
+        "    return jax.lax.dot_general(x, kernel, (contracting_dims, ((), ())))\n"),
+    "transformer_engine/jax/attention.py": (
+        "import enum, jax\n"
+        "AttnBiasType = enum.Enum('AttnBiasType', 'NO_BIAS')\n"
+        "AttnMaskType = enum.Enum('AttnMaskType', 'CAUSAL_MASK')\n"
+        "QKVLayout = enum.Enum('QKVLayout', 'BSHD_BSHD_BSHD')\n"
+        "def fused_attn(qkv, bias, mask, seed, *, attn_bias_type, attn_mask_type, qkv_layout, scaling_factor,\n"
+        "               dropout_probability, is_training):\n"
+        "    assert attn_mask_type is AttnMaskType.CAUSAL_MASK and qkv_layout is QKVLayout.BSHD_BSHD_BSHD\n"
+        "    return jax.nn.dot_product_attention(*qkv, scale=scaling_factor, is_causal=True)\n"),
+}
+
+
+@pytest.fixture
+def fake_transformer_engine(tmp_path, monkeypatch):
+    for path, text in FAKE_TE.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
+        del sys.modules[name]
+
+
+def test_transformer_engine_adapter_computes_the_same_model(fake_transformer_engine):
+    """The adapter's layouts and contraction dims, checked through a stand-in that computes with plain JAX."""
+    tokens = jnp.arange(32).reshape(2, 16) % 500
+    logits = {}
+    for impl, precision in (("xla", "bf16"), ("te", "fp8_te")):
+        cfg = load_config(None, ["model.dtype=float32", "model.num_kv_heads=2", f"model.attention_impl={impl}",
+                                 f"model.precision={precision}"])
+        model_spec(cfg.model)  # the availability check passes
+        logits[impl] = Transformer(cfg.model, rngs=nnx.Rngs(0))(tokens)
+    np.testing.assert_allclose(logits["te"], logits["xla"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("option", ["model.attention_impl=te", "model.precision=fp8_te"])
+def test_transformer_engine_options_without_it_are_one_line_errors(option):
+    result = subprocess.run([sys.executable, "-m", "mlm_jax.train", option, "train.steps=1"], capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: {option} needs Transformer Engine") and result.stderr.count("\n") == 1

@@ -23,7 +23,7 @@ class AttentionConfig:
     qk_norm: bool
     qkv_bias: bool
     norm_eps: float
-    impl: str  # auto | cudnn | xla
+    impl: str  # auto | cudnn | xla | te
 
 
 def kernel_for(impl: str, dtype) -> str:
@@ -36,6 +36,9 @@ def kernel_for(impl: str, dtype) -> str:
 
 def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str) -> jax.Array:
     """Causal attention; K/V heads may be fewer than query heads (GQA), never repeated in memory."""
+    if impl == "te":
+        from mlm_jax.layers import te  # optional backend, imported only when chosen
+        return te.attend(q_BSNH, k_BSKH, v_BSKH)
     return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True,
                                         implementation=kernel_for(impl, q_BSNH.dtype))
 

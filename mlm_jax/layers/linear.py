@@ -19,7 +19,7 @@ class Linear(nnx.Module):
     """`y = einsum(equation, x, kernel) [+ bias]`; weights stored in `param_dtype`, operands cast to `dtype`.
 
     `bias_dims` is how many trailing kernel dims are output dims (and so the bias shape); 0 = no bias.
-    `precision`: bf16 multiplies in `dtype`; fp8 in XLA fp8 (`layers/fp8.py`).
+    `precision`: bf16 multiplies in `dtype`; fp8 in XLA fp8 (`layers/fp8.py`); fp8_te through Transformer Engine.
     """
 
     def __init__(self, equation: str, kernel_shape: Sequence[int], names: Sequence[str], *, std: float,
@@ -33,5 +33,11 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
-        y = fp8_einsum(self.equation, x, kernel) if self.precision == "fp8" else jnp.einsum(self.equation, x, kernel)
+        if self.precision == "fp8":
+            y = fp8_einsum(self.equation, x, kernel)
+        elif self.precision == "fp8_te":
+            from mlm_jax.layers import te  # optional backend, imported only when chosen
+            y = te.einsum(self.equation, x, kernel)
+        else:
+            y = jnp.einsum(self.equation, x, kernel)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
