@@ -1,33 +1,58 @@
-"""Parallel degrees -> device mesh, and every check that needs the device count."""
+"""Parallel degrees -> device mesh, and every check that needs the device count.
+
+Across hosts (DCN), `parallel.dcn_<axis>` multiplies the in-host degree `parallel.<axis>` of the three outer axes:
+the axis' total degree is their product, and the host (slice or process) index is the outer part of its index,
+so only that axis' collectives cross the slow links.
+"""
 from __future__ import annotations
 
 import math
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from mlm_jax.config import Config, ConfigError
 from mlm_jax.parallel.rules import DATA_AXES, MESH_AXES
 
 
+DCN_AXES = ("data", "stage", "fsdp")  # the axes that may span hosts: the outer ones, with the least traffic
+
+
+def dcn_degrees(cfg: Config) -> dict[str, int]:
+    """Across-host degree of every mesh axis (`parallel.dcn_<axis>`; 1 for the axes that stay inside a host)."""
+    return {a: getattr(cfg.parallel, f"dcn_{a}") if a in DCN_AXES else 1 for a in MESH_AXES}
+
+
 def resolve_degrees(cfg: Config, num_devices: int) -> dict[str, int]:
-    """Degrees of every mesh axis, the one -1 filled in, checked against the device count and the model."""
-    p = cfg.parallel
+    """Total degrees of every mesh axis (in-host x DCN), the one -1 filled in, checked against the device count
+    and the model."""
+    p, dcn = cfg.parallel, dcn_degrees(cfg)
+    hosts = math.prod(dcn.values())
+    if num_devices % hosts:
+        raise ConfigError(f"{_shown(dcn, 'dcn_')} multiply to {hosts}, which does not divide the {num_devices} devices")
+    per_host = num_devices // hosts
+    where = f"{per_host} devices" + (f" per DCN group ({_shown(dcn, 'dcn_')})" if hosts > 1 else "")
     degrees = {a: getattr(p, a) for a in MESH_AXES}
     known = math.prod(v for v in degrees.values() if v != -1)
     rest = [a for a, v in degrees.items() if v == -1]
     if rest:
-        if num_devices % known:
+        if per_host % known:
             raise ConfigError(
                 f"parallel.{rest[0]}=-1: the other degrees multiply to {known}, which does not divide "
-                f"the {num_devices} devices")
-        degrees[rest[0]] = num_devices // known
+                f"the {where}")
+        degrees[rest[0]] = per_host // known
     product = math.prod(degrees.values())
-    if product != num_devices:
-        shown = " x ".join(f"parallel.{a}={v}" for a, v in degrees.items() if v != 1) or "all 1"
-        raise ConfigError(f"parallel degrees ({shown}) multiply to {product}, but {num_devices} devices are present")
+    if product != per_host:
+        raise ConfigError(f"parallel degrees ({_shown(degrees, '')}) multiply to {product}, but {where} are present")
+    degrees = {a: degrees[a] * dcn[a] for a in MESH_AXES}
     _check_layout(cfg, degrees)
     return degrees
+
+
+def _shown(degrees: dict[str, int], prefix: str) -> str:
+    return " x ".join(f"parallel.{prefix}{a}={v}" for a, v in degrees.items() if v != 1) or "all 1"
 
 
 def data_parallel_degree(degrees: dict[str, int]) -> int:
@@ -82,8 +107,27 @@ def _check_layout(cfg: Config, d: dict[str, int]) -> None:
                           f"parallel.virtual_stages={V}")
 
 
-def build_mesh(degrees: dict[str, int], devices=None) -> Mesh:
-    """Mesh over all (or the given) devices, axes outer to inner as in MESH_AXES, all automatic (GSPMD)."""
-    shape = tuple(degrees[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices if devices is not None else jax.devices())
+def build_mesh(degrees: dict[str, int], devices=None, dcn: dict[str, int] | None = None) -> Mesh:
+    """Mesh over all (or the given) devices, axes outer to inner as in MESH_AXES, all automatic (GSPMD).
+
+    `degrees` are totals; with DCN degrees (`dcn_degrees`) above 1 the mesh is hybrid: each slice (the devices'
+    `slice_index`) or, where devices report none or only one, each process holds one block of `degrees / dcn`.
+    """
+    devices = list(devices) if devices is not None else jax.devices()
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if dcn is None or math.prod(dcn.values()) == 1:
+        return jax.make_mesh(tuple(degrees[a] for a in MESH_AXES), MESH_AXES, axis_types=axis_types, devices=devices)
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    by_process = None in slices or len(slices) == 1
+    groups = len({d.process_index for d in devices}) if by_process else len(slices)
+    hosts = math.prod(dcn.values())
+    if hosts != groups:
+        raise ConfigError(f"{_shown(dcn, 'dcn_')} multiply to {hosts}, but the devices span {groups} "
+                          f"{'process(es)' if by_process else 'slices'}")
+    ici_shape = tuple(degrees[a] // dcn[a] for a in MESH_AXES)
+    try:
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, tuple(dcn[a] for a in MESH_AXES), devices,
+                                                    process_is_granule=by_process)
+    except ValueError as e:  # e.g. processes with unequal device counts
+        raise ConfigError(f"cannot build the DCN mesh: {str(e).splitlines()[0]}") from None
+    return Mesh(np.asarray(grid), MESH_AXES, axis_types=axis_types)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from mlm_jax.config import ConfigError
@@ -94,6 +95,13 @@ def locate(path: str) -> tuple[str, list[int]]:
     return path, []
 
 
+def _warn_unreadable(directory: str, step: int, e: Exception) -> None:
+    """Printed by process 0 only: every process reads the same checkpoint and fails the same way."""
+    if jax.process_index() == 0:
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        print(f"warning: checkpoint {directory}/{step} is unreadable ({reason}); trying the previous one")
+
+
 def restore(directory: str, steps: list[int], abstract_state: TrainState) -> tuple[TrainState, dict]:
     """The newest readable checkpoint among `steps`, resharded onto `abstract_state`'s shardings.
 
@@ -107,8 +115,7 @@ def restore(directory: str, steps: list[int], abstract_state: TrainState) -> tup
                     params=ocp.args.StandardRestore(abstract_state.params),
                     train=ocp.args.StandardRestore(_train_items(abstract_state)), meta=ocp.args.JsonRestore()))
             except Exception as e:  # noqa: BLE001 - any failure to read means: fall back to the previous one
-                reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-                print(f"warning: checkpoint {directory}/{step} is unreadable ({reason}); trying the previous one")
+                _warn_unreadable(directory, step, e)
                 continue
             t: dict[str, Any] = out.train
             return TrainState(step=t["step"], params=out.params, opt_state=t["opt_state"],
@@ -131,8 +138,7 @@ def restore_params(path: str, abstract_params) -> tuple[Any, dict]:
                     params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()))
                 return out.params, dict(out.meta)
             except Exception as e:  # noqa: BLE001
-                print(f"warning: checkpoint {directory}/{step} is unreadable ({str(e).splitlines()[0][:200]}); "
-                      f"trying the previous one")
+                _warn_unreadable(directory, step, e)
     finally:
         manager.close()
     raise CheckpointError(f"checkpoint.init_from={path}: no readable checkpoint")

@@ -20,7 +20,8 @@ from mlm_jax.data.dataset import build_datasets
 from mlm_jax.config import Config, ConfigError, to_yaml
 from mlm_jax.layers import axes as ax
 from mlm_jax.parallel import sharding as shd
-from mlm_jax.parallel.mesh import accumulation_steps, build_mesh, resolve_degrees
+from mlm_jax.parallel.distributed import any_process, shared_time
+from mlm_jax.parallel.mesh import accumulation_steps, build_mesh, dcn_degrees, resolve_degrees
 from mlm_jax.parallel.pipeline import pipeline_value_and_grad
 from mlm_jax.parallel.schedule import SCHEDULES, theoretical_bubble
 from mlm_jax.parallel.rules import make_rules, resolve
@@ -45,14 +46,14 @@ class Trainer:
         self.degrees = resolve_degrees(cfg, len(devices))
         self.accum_steps = accumulation_steps(cfg, self.degrees)
         if cfg.train.output_dir is None:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(shared_time()))  # one name on every process
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=f"runs/{cfg.name}-{stamp}"))
         if cfg.checkpoint.dir is None:
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
                 cfg.checkpoint, dir=os.path.join(cfg.train.output_dir, "checkpoints")))
         self.cfg = cfg
         self.is_main = jax.process_index() == 0
-        self.mesh = build_mesh(self.degrees, devices)
+        self.mesh = build_mesh(self.degrees, devices, dcn_degrees(cfg))
         self.rules = make_rules(cfg.parallel.rules, cfg.parallel.sequence_parallel)
         self.resolver = shd.activation_resolver(self.mesh, self.rules)
 
@@ -225,9 +226,10 @@ class Trainer:
                     records.append(rec)
                     self.log.write(rec)
                     window_start = time.perf_counter()
-                if self.checkpointer.due(done) or done == t.steps or stop.received:
+                stopping = stop.agreed()
+                if self.checkpointer.due(done) or done == t.steps or stopping:
                     self.save()
-                if stop.received:
+                if stopping:
                     self.checkpointer.wait()
                     self.log.end_line()
                     if self.is_main:
@@ -271,6 +273,12 @@ class _StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
+
+    def agreed(self) -> str | None:
+        """The signal, once any process has received one: all processes stop after the same step."""
+        if any_process(self.received is not None):
+            self.received = self.received or "a signal on another process"
+        return self.received
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -1,0 +1,156 @@
+"""Several processes on one machine, each with fake CPU devices: a multi-host run in miniature.
+
+Two processes log the losses of one, only process 0 writes, a checkpoint of one layout resumes in another, a dead
+process stops the others, and bad multi-process flags are one error line.
+"""
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mlm_jax import load_config
+from mlm_jax.parallel import distributed
+from mlm_jax.parallel.mesh import resolve_degrees
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = str(REPO / "scripts" / "launch_local.sh")
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# A one-layer fp32 model and a constant learning rate: a run of 5 steps then 3 more, in any layout, is the run of 8.
+RUN = ["model.num_layers=1", "model.dtype=float32", "optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=1e-2",
+       "train.global_batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=0",
+       "data.max_bytes=2000000", "log.progress=never"]
+HYBRID = ["parallel.data=1", "parallel.dcn_data=2", "parallel.fsdp=2", "parallel.tensor=2"]  # data across processes
+
+
+def cpu_env(devices_per_process: int) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process} {FAST_COMPILE}",
+                JAX_PLATFORMS="cpu", PYTHON=sys.executable, PYTHONPATH=str(REPO))
+
+
+def launch(n: int, args: list[str], cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([LAUNCH, str(n), *args], cwd=cwd, env=cpu_env(8 // n), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def logged(run_dir: Path, key: str) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if key in r]
+    assert len(steps) == len(set(steps)), f"a step logged twice (by two processes?): {steps}"
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def test_two_processes_log_the_losses_of_one_and_resume_in_another_layout(tmp_path):
+    one, evals = tmp_path / "one", ["train.eval_every=5", "train.eval_batches=1"]  # at steps 5 and 8
+    ref = launch(1, [*RUN, *evals, "train.steps=8", "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
+                     f"train.output_dir={one}"], tmp_path)
+    assert ref.returncode == 0, ref.stderr
+
+    first = launch(2, [*RUN, *evals, "train.steps=5", *HYBRID], tmp_path)  # default output dir: runs/tiny-<stamp>
+    assert first.returncode == 0, first.stdout + first.stderr
+    (run,) = (tmp_path / "runs").iterdir()  # both processes chose process 0's time stamp
+    assert "[0] step 5/5" in first.stdout and "[0] mlm_jax: tiny" in first.stdout
+    assert not [line for line in first.stdout.splitlines() if line.startswith("[1] ")], first.stdout
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+
+    second = launch(2, [*RUN, *evals, "train.steps=8", "parallel.fsdp=8", f"train.output_dir={run}"], tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"[0] resumed from {run}/checkpoints/5" in second.stdout
+    for key, steps in (("loss", list(range(1, 9))), ("eval_loss", [5, 8])):
+        expected, got = logged(one, key), logged(run, key)
+        assert sorted(got) == sorted(expected) == steps
+        for step, value in expected.items():
+            assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [*RUN, "train.steps=100000", "parallel.fsdp=8", f"train.output_dir={tmp_path}", "checkpoint.every=0"]
+    procs = [subprocess.Popen([sys.executable, "-u", "-m", "mlm_jax.train", "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i), "--heartbeat-timeout", "5", *args],
+                              cwd=REPO, env=cpu_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in procs[0].stdout], daemon=True).start()
+        seen = []
+        while not seen or not seen[-1].startswith("step 2/"):
+            seen.append(lines.get(timeout=90))
+        procs[1].kill()
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=60)
+        waited = time.monotonic() - killed
+        time.sleep(0.2)  # the reader thread drains what is left
+        output = "".join(seen + list(lines.queue))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert code != 0 and waited < 60
+    assert "another task died" in output or "unhealthy" in output, output[-2000:]
+
+
+def test_launcher_prefixes_lines_and_exits_with_the_failing_code(tmp_path):
+    result = launch(2, ["parallel.dcn_data=4"], tmp_path, timeout=60)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert sorted(line[:4] for line in errors) == ["[0] ", "[1] "], result.stderr
+    assert "parallel.dcn_data=4 multiply to 4, but the devices span 2 process(es)" in errors[0]
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlm_jax.train", *args], cwd=REPO, env=env or dict(os.environ),
+                          capture_output=True, text=True, timeout=60)
+
+
+FLAGS = ["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "0"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    pytest.param(["--coordinator", "localhost:1234"], "--num-processes, --process-id missing", id="partial-flags"),
+    pytest.param(["--coordinator", "nohost", *FLAGS[2:]], "--coordinator nohost: expected HOST:PORT", id="no-port"),
+    pytest.param(["--coordinator", "h:70000", *FLAGS[2:]], "port in 1..65535", id="port-range"),
+    pytest.param([*FLAGS[:5], "2"], "--process-id 2 is out of range for --num-processes 2", id="process-id-range"),
+    pytest.param([*FLAGS[:3], "0", *FLAGS[4:]], "--num-processes 0: must be at least 1", id="no-processes"),
+    pytest.param(["--process-id", "one"], "argument --process-id: invalid int value: 'one'", id="not-an-int"),
+    pytest.param(["--local-device-ids", "0,1"], "--local-device-ids needs a multi-process launch", id="ids-alone"),
+    pytest.param([*FLAGS, "--local-device-ids", "0,0"], "--local-device-ids 0,0: expected distinct", id="ids"),
+    pytest.param([*FLAGS, "--heartbeat-timeout", "0"], "--heartbeat-timeout 0: must be at least 1", id="heartbeat"),
+    pytest.param(["parallel.dcn_data=2"], "parallel.dcn_data=2 multiply to 2, but the devices span 1 process(es)",
+                 id="dcn-without-processes"),
+    pytest.param(["parallel.dcn_fsdp=3"], "parallel.dcn_fsdp=3 multiply to 3, which does not divide the 8 devices",
+                 id="dcn-not-dividing"),
+])
+def test_bad_multi_process_flags_are_one_error_line_and_exit_code_2(args, expected):
+    result = run_cli(*args)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.strip().count("\n") == 0, result.stderr
+    assert expected in result.stderr and result.returncode == 2
+
+
+def test_dcn_degrees_multiply_the_in_host_degrees():
+    cfg = load_config(None, ["parallel.dcn_data=2", "parallel.fsdp=2", "parallel.dcn_fsdp=2", "parallel.tensor=2"])
+    degrees = resolve_degrees(cfg, 16)
+    assert (degrees["data"], degrees["fsdp"], degrees["tensor"]) == (2, 4, 2)  # data=-1 is 1 device per host
+
+
+def test_srun_and_mpirun_launches_are_detected(monkeypatch):
+    for name in ("SLURM_NTASKS", "SLURM_STEP_NODELIST", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.cluster_env() is None
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[001-002]")
+    assert distributed.cluster_env() is None  # one task: a single-process run, nothing to join
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    assert distributed.cluster_env() == "slurm"
+    monkeypatch.delenv("SLURM_NTASKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert distributed.cluster_env() == "ompi"
