@@ -117,6 +117,7 @@ def test_override_without_equals_rejected():
     ("model.norm=batchnorm", r"model\.norm='batchnorm': expected one of rmsnorm, layernorm"),
     ("optim.schedule=linear", r"optim\.schedule='linear': expected one of cosine, wsd, constant"),
     ("model.dtype=int8", r"model\.dtype='int8': expected one of float32, bfloat16, float16"),
+    ("model.precision=int4", r"model\.precision='int4': expected one of bf16, fp8, fp8_te"),
 ])
 def test_value_outside_choices_rejected(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -133,6 +134,10 @@ def test_value_outside_choices_rejected(override, message):
     ("model.head_dim=33", r"model\.head_dim=33: rotary"),
     ("data.validation_fraction=1", r"data\.validation_fraction=1\.0: expected a number in \(0, 1\)"),
     ("optim.clip_grad=0", r"optim\.clip_grad=0\.0: must be positive or null"),
+    ("log.profile_steps=[3,2]", r"log\.profile_steps=\[3, 2\]: expected \[first, last\] steps with 1 <= first <= last"),
+    ("log.profile_steps=[0,2]", r"log\.profile_steps=\[0, 2\]: expected \[first, last\]"),
+    ("log.profile_steps=5", r"log\.profile_steps=5: expected list or null"),
+    ("parallel.dcn_data=0", r"parallel\.dcn_data=0: must be positive"),
     ("train.eval_every=-1", r"train\.eval_every=-1: must be >= 0"),
 ])
 def test_invalid_value_rejected(override, message):

@@ -74,3 +74,14 @@ def test_norms_and_biases_get_no_weight_decay():
     from mlm_jax.train.optimizer import decay_mask
     mask = decay_mask({"final_norm": {"scale": 1, "bias": 2}, "head": {"kernel": 3}})
     assert mask == {"final_norm": {"scale": False, "bias": False}, "head": {"kernel": True}}
+
+
+def test_profile_steps_write_a_trace_of_those_steps(tmp_path, capsys):
+    import gzip
+    cfg = load_config(None, SMALL + [f"train.output_dir={tmp_path}", "train.eval_every=0", "log.profile_steps=[2,3]"])
+    Trainer(cfg, devices=jax.devices()[:1]).fit()
+    assert "profile of steps 2..3 written to" in capsys.readouterr().out
+    traces = list((tmp_path / "profile").rglob("*.trace.json.gz"))
+    assert traces
+    events = json.load(gzip.open(traces[0], "rt"))["traceEvents"]
+    assert any("step" in e.get("name", "") for e in events)  # the compiled step ran inside the trace

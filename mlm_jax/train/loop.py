@@ -187,6 +187,7 @@ class Trainer:
         if start >= end:
             return records
         stop = _StopSignal()
+        profiler = _Profiler(self.cfg.log, t.output_dir, self.is_main)
         prefetch = data_lib.Prefetcher(self.loader, self.batch_sharding, start)
         try:
             batch = prefetch.get(start)
@@ -202,9 +203,11 @@ class Trainer:
             for step in range(start, end):
                 if step > start:
                     batch = prefetch.get(step)
+                profiler.before(step + 1)
                 self.state, pending = self._compiled(self.state, batch)
                 window_steps += 1
                 done = step + 1
+                profiler.after(done, self.state)
                 if t.nan_policy == "stop" and int(pending["skipped_steps"]) > skipped:
                     self.save()
                     self.checkpointer.wait()
@@ -237,6 +240,7 @@ class Trainer:
                               f"{self.checkpointer.directory}/{done}")
                     break
         finally:
+            profiler.stop()
             stop.restore()
             prefetch.close()
             self.log.end_line()
@@ -259,6 +263,33 @@ class Trainer:
             print(f"resumed from {self.resumed_from}")
         if cfg.log.sharding_report:
             print(self.sharding_report())
+
+
+class _Profiler:
+    """A jax.profiler trace of steps `log.profile_steps = [a, b]` (1-based, inclusive), Perfetto JSON included."""
+
+    def __init__(self, log_cfg, output_dir: str, is_main: bool):
+        self.steps = log_cfg.profile_steps
+        self.directory = log_cfg.profile_dir or os.path.join(output_dir, "profile")
+        self.is_main = is_main
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.active = True
+
+    def after(self, step: int, state) -> None:
+        if self.active and step >= self.steps[1]:
+            jax.block_until_ready(state)
+            self.stop()
+            if self.is_main:
+                print(f"profile of steps {self.steps[0]}..{step} written to {self.directory}")
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 class _StopSignal:
