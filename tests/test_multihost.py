@@ -6,6 +6,8 @@ process stops the others, and bad multi-process flags are one error line.
 import json
 import os
 import queue
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -69,7 +71,9 @@ def test_two_processes_log_the_losses_of_one_and_resume_in_another_layout(tmp_pa
             assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
 
 
-def test_a_dead_process_stops_the_others(tmp_path):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_dead_process_stops_the_others(tmp_path, how):
+    """A killed process closes its connections; a frozen one (a hung or unreachable host) just falls silent."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -80,22 +84,26 @@ def test_a_dead_process_stops_the_others(tmp_path):
              for i in range(2)]
     try:
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in procs[0].stdout], daemon=True).start()
+        reader = threading.Thread(target=lambda: [lines.put(x) for x in procs[0].stdout], daemon=True)
+        reader.start()
         seen = []
         while not seen or not seen[-1].startswith("step 2/"):
             seen.append(lines.get(timeout=90))
-        procs[1].kill()
+        procs[1].send_signal(how)
         killed = time.monotonic()
         code = procs[0].wait(timeout=60)
         waited = time.monotonic() - killed
-        time.sleep(0.2)  # the reader thread drains what is left
+        reader.join(timeout=10)
         output = "".join(seen + list(lines.queue))
     finally:
         for p in procs:
             p.kill()
             p.wait()
     assert code != 0 and waited < 60
-    assert "another task died" in output or "unhealthy" in output, output[-2000:]
+    # The coordination service misses the heartbeats and ends the process, or (sooner, on CPU) a collective sees
+    # the killed peer's connection close and the process leaves with that error.
+    died = r"another task died" if how == signal.SIGSTOP else r"another task died|Gloo \w+ failed"
+    assert re.search(died, output), output[-2000:]
 
 
 def test_launcher_prefixes_lines_and_exits_with_the_failing_code(tmp_path):
