@@ -271,6 +271,8 @@ class _Profiler:
     def __init__(self, log_cfg, output_dir: str, is_main: bool):
         self.steps = log_cfg.profile_steps
         self.directory = log_cfg.profile_dir or os.path.join(output_dir, "profile")
+        if jax.process_count() > 1:  # processes sharing a host would overwrite each other's files
+            self.directory = os.path.join(self.directory, f"process_{jax.process_index()}")
         self.is_main = is_main
         self.active = False
 
