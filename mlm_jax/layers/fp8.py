@@ -26,9 +26,10 @@ def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(x.astype(jnp.float32) / scale, -fp8_max, fp8_max).astype(fp8_dtype), scale
 
 
-def _parse(equation: str) -> tuple[str, str, str]:
-    operands, out = equation.replace(" ", "").split("->")
-    x, w = operands.split(",")
+def operands(equation: str) -> tuple[str, str, str]:
+    """'bsd,df->bsf' -> ('bsd', 'df', 'bsf')."""
+    inputs, out = equation.replace(" ", "").split("->")
+    x, w = inputs.split(",")
     return x, w, out
 
 
@@ -50,7 +51,7 @@ def _forward(equation, x, w):
 
 def _backward(equation, residuals, g):
     xq, sx, wq, sw = residuals
-    x, w, out = _parse(equation)
+    x, w, out = operands(equation)
     gq, sg = quantize(g, E5M2)
     dx = _dot(f"{out},{w}->{x}", gq, wq, sg * sw, g.dtype)
     dw = _dot(f"{x},{out}->{w}", xq, gq, sx * sg, g.dtype)

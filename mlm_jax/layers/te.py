@@ -11,6 +11,8 @@ import math
 
 import jax
 
+from mlm_jax.layers.fp8 import operands
+
 
 def missing() -> str | None:
     """Why Transformer Engine cannot be used here, or None when `transformer_engine.jax` imports."""
@@ -38,7 +40,7 @@ def einsum(equation: str, x: jax.Array, kernel: jax.Array) -> jax.Array:
     from transformer_engine.jax.dense import dense
     from transformer_engine.jax.quantize import QuantizerFactory
 
-    x_dims, k_dims = equation.split("->")[0].split(",")
+    x_dims, k_dims, _ = operands(equation)
     n = len(set(x_dims) & set(k_dims))
     with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
         quantizers = QuantizerFactory.create_set()
