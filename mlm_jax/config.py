@@ -25,6 +25,39 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts FFNs (`num_experts: 0` = a dense model).
+
+    Layer i is an MoE layer when i >= `first_dense_layers` and (i - first_dense_layers) % `every_n_layers` == 0.
+    `router`: softmax (Mixtral: softmax over all experts, top-k, renormalised) or sigmoid (DeepSeek-V3: sigmoid
+    scores, top-k chosen on score + a per-expert bias, weights renormalised). `router_bias_update` > 0 moves that
+    bias by this step size towards balanced load after every step (aux-loss-free balancing, outside the gradient).
+    `capacity_factor`: null = dropless; else each expert takes at most ceil(tokens x top_k / experts x factor).
+    `shared_experts`: experts every token passes through (one SwiGLU of shared_experts x expert_ffn_size).
+    """
+
+    num_experts: int = 0
+    top_k: int = 2
+    expert_ffn_size: int | None = None  # null = model.ffn_size
+    capacity_factor: float | None = None
+    router: str = "softmax"
+    router_bias_update: float = 0.0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    shared_experts: int = 0
+    every_n_layers: int = 1
+    first_dense_layers: int = 0
+    impl: str = "auto"  # grouped matmul of dropless experts: auto | ragged (jax.lax.ragged_dot) | mgpu (Hopper)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.enabled and i >= self.first_dense_layers and (i - self.first_dense_layers) % self.every_n_layers == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder shape. `num_kv_heads` and `head_dim` default to `num_heads` and `hidden_size // num_heads`."""
 
@@ -49,6 +82,11 @@ class ModelConfig:
     attention_impl: str = "auto"
     scan_layers: bool = True  # a lax.scan over the layers compiles once per model; unrolled runs faster
     precision: str = "bf16"  # matmuls in `dtype` (bf16), XLA fp8 with current scaling, or Transformer Engine fp8
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe.expert_ffn_size or self.ffn_size
 
     @property
     def kv_heads(self) -> int:
@@ -69,6 +107,7 @@ class ParallelConfig:
     context: int = 1
     expert: int = 1
     tensor: int = 1
+    context_strategy: str = "allgather"  # allgather: K/V gathered once; ring: K/V blocks passed around (ppermute)
     virtual_stages: int = 1
     pipeline_schedule: str = "1f1b"
     sequence_parallel: bool = False
@@ -181,6 +220,9 @@ CHOICES = {
     "log.progress": ("auto", "always", "never"),
     "train.nan_policy": ("skip", "stop"),
     "parallel.pipeline_schedule": ("1f1b", "gpipe"),
+    "parallel.context_strategy": ("allgather", "ring"),
+    "model.moe.router": ("softmax", "sigmoid"),
+    "model.moe.impl": ("auto", "ragged", "mgpu"),
 }
 
 POSITIVE = (
@@ -188,11 +230,25 @@ POSITIVE = (
     "model.head_dim", "model.ffn_size", "train.steps", "train.global_batch_size", "train.micro_batch_size",
     "train.seq_len", "train.log_every", "train.eval_batches", "checkpoint.keep", "train.num_microbatches",
     "parallel.virtual_stages", "parallel.dcn_data", "parallel.dcn_stage", "parallel.dcn_fsdp",
+    "model.moe.top_k", "model.moe.expert_ffn_size", "model.moe.capacity_factor", "model.moe.every_n_layers",
 )
 
 
+def _keys(prefix: str, tp) -> list[str]:
+    """Dotted keys of a config dataclass, nested sections (`model.moe.top_k`) spelled out."""
+    hints = typing.get_type_hints(tp)
+    return [k for f in dataclasses.fields(tp) for k in
+            (_keys(f"{prefix}.{f.name}", hints[f.name]) if dataclasses.is_dataclass(hints[f.name])
+             else [f"{prefix}.{f.name}"])]
+
+
 def _all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, t in _SECTION_TYPES.items() for f in dataclasses.fields(t)]
+    return [k for s, t in _SECTION_TYPES.items() for k in _keys(s, t)]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    return {k: v for name, value in d.items() for k, v in
+            (_flat(value, f"{prefix}{name}.").items() if isinstance(value, dict) else [(f"{prefix}{name}", value)])}
 
 
 def _unknown(key: str) -> ConfigError:
@@ -246,13 +302,29 @@ def _coerce(key: str, value: Any, tp) -> Any:
 
 def _apply(cfg: Config, key: str, value: Any) -> Config:
     section, _, name = key.partition(".")
-    if section not in SECTIONS or not name or "." in name:
+    if section not in SECTIONS or not name:
         raise _unknown(key)
-    sec = getattr(cfg, section)
-    hints = typing.get_type_hints(type(sec))
-    if name not in hints:
+    return dataclasses.replace(cfg, **{section: _set(getattr(cfg, section), name, key, value)})
+
+
+def _set(node, name: str, key: str, value: Any):
+    """`node` with the dotted `name` set to `value`; a mapping given for a nested section sets its keys."""
+    head, _, rest = name.partition(".")
+    hints = typing.get_type_hints(type(node))
+    if head not in hints:
         raise _unknown(key)
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(sec, **{name: _coerce(key, value, hints[name])})})
+    child = getattr(node, head)
+    if dataclasses.is_dataclass(child):
+        if rest:
+            return dataclasses.replace(node, **{head: _set(child, rest, key, value)})
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of keys, got {value!r}")
+        for k, v in value.items():
+            child = _set(child, str(k), f"{key}.{k}", v)
+        return dataclasses.replace(node, **{head: child})
+    if rest:
+        raise _unknown(key)
+    return dataclasses.replace(node, **{head: _coerce(key, value, hints[head])})
 
 
 def _load_yaml(path: str) -> dict:
@@ -313,7 +385,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
 
 def validate(cfg: Config) -> None:
     """Checks that need no devices."""
-    flat = {f"{s}.{k}": v for s, sec in cfg.to_dict().items() if isinstance(sec, dict) for k, v in sec.items()}
+    flat = _flat({s: sec for s, sec in cfg.to_dict().items() if isinstance(sec, dict)})
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
             raise ConfigError(f"{key}={flat[key]!r}: expected one of {', '.join(allowed)}")
@@ -328,6 +400,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.num_kv_heads={m.kv_heads} must divide model.num_heads={m.num_heads}")
     if m.dim_per_head % 2:
         raise ConfigError(f"model.head_dim={m.dim_per_head}: rotary embeddings need an even head dimension")
+    _validate_moe(m.moe, m.num_layers)
     p = cfg.parallel
     degrees = {k: getattr(p, k) for k in ("data", "stage", "fsdp", "context", "expert", "tensor")}
     for k, v in degrees.items():
@@ -364,6 +437,25 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
     if o.clip_grad is not None and o.clip_grad <= 0:
         raise ConfigError(f"optim.clip_grad={o.clip_grad}: must be positive or null")
+
+
+def _validate_moe(moe: MoEConfig, num_layers: int) -> None:
+    for key in ("num_experts", "shared_experts", "first_dense_layers"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: must be >= 0")
+    for key in ("router_bias_update", "aux_loss_coef", "z_loss_coef"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: must be >= 0")
+    if not moe.enabled:
+        return
+    if moe.top_k > moe.num_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}")
+    if not any(moe.is_moe_layer(i) for i in range(num_layers)):
+        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer among "
+                          f"model.num_layers={num_layers}")
+    if moe.router_bias_update and moe.router != "sigmoid":
+        raise ConfigError(f"model.moe.router_bias_update={moe.router_bias_update} needs model.moe.router=sigmoid "
+                          f"(the bias only steers the sigmoid router's choice)")
 
 
 def to_yaml(cfg: Config) -> str:

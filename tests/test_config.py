@@ -181,7 +181,7 @@ def test_explicit_degrees_matching_the_device_count_resolve():
     (["model.num_kv_heads=2", "parallel.tensor=4", "parallel.data=2"],
      r"model\.num_kv_heads=2 is not divisible by parallel\.tensor=4"),
     (["parallel.context=8", "parallel.data=1", "train.seq_len=100"],
-     r"train\.seq_len=100 is not divisible by parallel\.context=8"),
+     r"train\.seq_len=100 is not divisible by 2 x parallel\.context=8"),
     (["parallel.stage=8", "parallel.data=1"], r"model\.num_layers=4 is not divisible by parallel\.stage=8"),
     (["parallel.stage=4", "parallel.data=2", "train.num_microbatches=2"], r"cannot fill parallel\.stage=4"),
     (["train.global_batch_size=12"], r"train\.global_batch_size=12 is not divisible by data-parallel degree 8"),
@@ -204,3 +204,21 @@ def test_non_finite_floats_rejected(override):
 
 def test_empty_section_keeps_defaults(tmp_path):
     assert load_config(write(tmp_path, "model:\n", "empty.yaml")).model == load_config().model
+
+
+# -- nested sections (model.moe) -----------------------------------------------------------------------------------
+def test_nested_moe_keys_from_overrides_and_yaml(tmp_path):
+    cfg = load_config(write(tmp_path, "model:\n  moe:\n    num_experts: 4\n    top_k: 1\n"), ["model.moe.top_k=2"])
+    assert (cfg.model.moe.num_experts, cfg.model.moe.top_k) == (4, 2)
+    assert load_config(write(tmp_path, to_yaml(cfg), "again.yaml")).model == cfg.model
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.moe.num_expert=4", r"unknown config key 'model\.moe\.num_expert' \(did you mean model\.moe\.num_experts\?\)"),
+    ("model.moe=4", r"model\.moe: expected a mapping of keys, got 4"),
+    ("model.moe.router=relu", r"model\.moe\.router='relu': expected one of softmax, sigmoid"),
+    ("model.top_k.x=1", r"unknown config key 'model\.top_k\.x'"),
+])
+def test_bad_nested_keys_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.moe.num_experts=4", override])

@@ -35,7 +35,13 @@ def kernel_for(impl: str, dtype) -> str:
 
 
 def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str) -> jax.Array:
-    """Causal attention; K/V heads may be fewer than query heads (GQA), never repeated in memory."""
+    """Causal attention; K/V heads may be fewer than query heads (GQA), never repeated in memory.
+
+    Under context parallelism the trainer installs its own kernel (`axes.ATTENTION`), which gets the sequence in
+    its load-balanced order and the kernel this one would have used.
+    """
+    if (replacement := ax.kernel(ax.ATTENTION)) is not None:
+        return replacement(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype))
     if impl == "te":
         from mlm_jax.layers import te  # optional backend, imported only when chosen
         return te.attend(q_BSNH, k_BSKH, v_BSKH)

@@ -3,6 +3,10 @@
 Parameters and activations carry separate names: FSDP shards a weight's `embed` dim but never an activation's.
 `constrain(x, names)` resolves names with whatever resolver the trainer installed (`activation_resolver`), so
 layers stay free of meshes; with none installed it is the identity (one device, notebooks, tests).
+
+The few computations that need explicit collectives (context-parallel attention, expert-parallel dispatch) are
+likewise swapped in by the trainer through `kernels(...)`; a layer asks `kernel(name)` and computes locally when
+none is installed.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ HEADS = "heads"  # query heads of a weight
 KV_HEADS = "kv_heads"  # key/value heads of a weight
 HEAD_DIM = "head_dim"  # per-head dim, never sharded
 MLP = "mlp"  # FFN hidden dim of a weight
+EXPERTS = "experts"  # expert dim of MoE weights
 LAYERS = "layers"  # stacked-layer dim of scanned weights
 NORM = "norm"  # the single dim of a norm's scale or bias
 
@@ -32,10 +37,15 @@ ACT_KV_HEADS = "act_kv_heads"  # key/value heads of activations
 ACT_MLP = "act_mlp"  # FFN hidden dim of activations
 ACT_VOCAB = "act_vocab"  # vocabulary dim of logits
 
-PARAM_AXES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, NORM)
+PARAM_AXES = (VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERTS, LAYERS, NORM)
 ACTIVATION_AXES = (ACT_BATCH, ACT_SEQ, ACT_SEQ_SP, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_VOCAB)
 
+# Kernel names for `kernels`/`kernel`.
+ATTENTION = "attention"  # (q_BSNH, k_BSKH, v_BSKH) -> out_BSNH, causal
+EXPERT_FFN = "expert_ffn"  # layers.experts.expert_ffn's signature, minus `impl`-independent arguments
+
 Names = Sequence[str | None]
+_kernels: contextvars.ContextVar[dict[str, Callable]] = contextvars.ContextVar("mlm_jax_kernels", default={})
 _resolver: contextvars.ContextVar[Callable[[Names, tuple[int, ...]], jax.sharding.Sharding] | None] = contextvars.ContextVar(
     "mlm_jax_activation_resolver", default=None)
 
@@ -57,3 +67,18 @@ def constrain(x: jax.Array, names: Names) -> jax.Array:
         return x
     assert len(names) == x.ndim, (names, x.shape)
     return jax.lax.with_sharding_constraint(x, resolve(names, x.shape))
+
+
+@contextlib.contextmanager
+def kernels(**fns: Callable):
+    """Install replacement kernels by name (`ATTENTION`, `EXPERT_FFN`) while tracing inside this context."""
+    token = _kernels.set({**_kernels.get(), **fns})
+    try:
+        yield
+    finally:
+        _kernels.reset(token)
+
+
+def kernel(name: str) -> Callable | None:
+    """The kernel the trainer installed under `name`, or None (compute locally)."""
+    return _kernels.get().get(name)

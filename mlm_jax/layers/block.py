@@ -1,4 +1,4 @@
-"""Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""Pre-norm decoder block: x + attn(norm(x)), then x + ffn(norm(x)); the FFN is dense (`mlp`) or experts (`moe`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +9,7 @@ from flax import nnx
 from mlm_jax.layers import axes as ax
 from mlm_jax.layers.attention import Attention, AttentionConfig
 from mlm_jax.layers.mlp import MLP
+from mlm_jax.layers.moe import MoE, MoELayerConfig
 from mlm_jax.layers.norm import Norm
 
 RESIDUAL = (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED)  # sequence-parallel region
@@ -25,6 +26,7 @@ class BlockConfig:
     init_std: float
     out_std: float  # output projections are scaled down with depth (GPT-2 / Megatron init)
     precision: str = "bf16"  # of the block's matmuls (the output head stays in `dtype`)
+    moe: MoELayerConfig | None = None  # experts instead of the dense FFN
 
 
 class Block(nnx.Module):
@@ -35,12 +37,19 @@ class Block(nnx.Module):
         self.attn_norm = Norm(c.attention.dim, **nkw)
         self.attn = Attention(c.attention, **kw)
         self.mlp_norm = Norm(c.attention.dim, **nkw)
-        self.mlp = MLP(c.attention.dim, c.ffn_size, activation=c.activation, **kw)
+        if c.moe is None:
+            self.mlp = MLP(c.attention.dim, c.ffn_size, activation=c.activation, **kw)
+        else:
+            self.moe = MoE(c.moe, **kw)
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, dict]:
+        """The block's output and, for an MoE block, its routing statistics (`MoE.route`)."""
         with jax.named_scope("attention"):  # scopes name the kernels in profiles and HLO dumps
             h_BSD = ax.constrain(self.attn_norm(x_BSD), GATHERED)
             x_BSD = ax.constrain(x_BSD + self.attn(h_BSD, positions_BS), RESIDUAL)
         with jax.named_scope("mlp"):
             h_BSD = ax.constrain(self.mlp_norm(x_BSD), GATHERED)
-            return ax.constrain(x_BSD + self.mlp(h_BSD), RESIDUAL)
+            if hasattr(self, "mlp"):
+                return ax.constrain(x_BSD + self.mlp(h_BSD), RESIDUAL), {}
+            y_BSD, stats = self.moe(h_BSD)
+            return ax.constrain(x_BSD + y_BSD, RESIDUAL), stats

@@ -1,6 +1,10 @@
 """Decoder-only transformer: embedding, stacked blocks (scanned or unrolled), final norm, output head.
 
 Shapes: B batch, S sequence, D model, V vocabulary, L layers.
+
+An MoE model keeps its MoE blocks stacked in `blocks` and, when some layers stay dense (`moe.first_dense_layers`,
+`moe.every_n_layers`), those in `dense_blocks`; the layers run in their model order, one contiguous run of each
+kind at a time.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from mlm_jax.layers.attention import AttentionConfig
 from mlm_jax.layers.block import Block, BlockConfig
 from mlm_jax.layers.embed import Embed
 from mlm_jax.layers.linear import Linear
+from mlm_jax.layers.moe import MoELayerConfig
 from mlm_jax.layers.norm import Norm
 
 REMAT_POLICIES = {
@@ -24,13 +29,28 @@ REMAT_POLICIES = {
 }
 
 
-def block_config(m: ModelConfig) -> BlockConfig:
+def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
     attention = AttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads,
                                 head_dim=m.dim_per_head, rope_theta=m.rope_theta, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
                                 norm_eps=m.norm_eps, impl=m.attention_impl)
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
-                       out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision)
+                       out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision,
+                       moe=MoELayerConfig(m.hidden_size, m.expert_ffn, m.moe) if moe else None)
+
+
+def layer_runs(m: ModelConfig) -> tuple[tuple[bool, int, int], ...]:
+    """The layers as contiguous runs (dense, first index in that kind's stack, count), in model order."""
+    runs: list[list] = []
+    seen = {True: 0, False: 0}
+    for i in range(m.num_layers):
+        dense = m.moe.enabled and not m.moe.is_moe_layer(i)
+        if runs and runs[-1][0] == dense:
+            runs[-1][2] += 1
+        else:
+            runs.append([dense, seen[dense], 1])
+        seen[dense] += 1
+    return tuple(tuple(r) for r in runs)
 
 
 class Transformer(nnx.Module):
@@ -44,32 +64,52 @@ class Transformer(nnx.Module):
         self.embed = Embed(m.vocab_size, m.hidden_size, std=m.init_std, dtype=dtype, param_dtype=param_dtype,
                            rngs=rngs)
 
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
-        def stacked(key):
-            return Block(bc, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=key))
+        self.runs = layer_runs(m)
 
-        self.blocks = stacked(jax.random.split(rngs.params(), m.num_layers))
+        def stacked(config: BlockConfig, count: int):
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
+            def make(key):
+                return Block(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=key))
+            return make(jax.random.split(rngs.params(), count))
+
+        dense_layers = sum(n for dense, _, n in self.runs if dense)
+        self.blocks = stacked(block_config(m, moe=m.moe.enabled), m.num_layers - dense_layers)
+        if dense_layers:
+            self.dense_blocks = stacked(bc, dense_layers)
         self.final_norm = Norm(m.hidden_size, kind=m.norm, eps=m.norm_eps, dtype=dtype, param_dtype=param_dtype)
         if not m.tie_embeddings:
             self.head = Linear("bsd,dv->bsv", (m.hidden_size, m.vocab_size), (ax.EMBED, ax.VOCAB),
                                std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
+        return self.forward(tokens_BS, positions_BS)[0]
+
+    def forward(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Logits and the MoE layers' routing statistics (each stacked along a leading MoE-layer dim; {} if dense)."""
         if positions_BS is None:
             positions_BS = default_positions(tokens_BS)
         with jax.named_scope("embed"):
             x_BSD = self.embed(tokens_BS)
-        x_BSD = self.run_blocks(x_BSD, positions_BS)
-        return self.logits(x_BSD)
+        stats = []
+        for dense, start, count in self.runs:
+            stack = self.dense_blocks if dense else self.blocks
+            _, state = nnx.split(stack)
+            run = jax.tree.map(lambda w: w[start:start + count], state) if len(self.runs) > 1 else None
+            x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, run, dense=dense)
+            stats.append(run_stats)
+        stats = jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if len(stats) > 1 else stats[0]
+        return self.logits(x_BSD), stats
 
-    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None) -> jax.Array:
-        """The stacked blocks, or `stacked_state` (a slice of them: a pipeline chunk), in order.
+    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None,
+                   dense: bool = False) -> tuple[jax.Array, dict]:
+        """The stacked blocks, or `stacked_state` (a slice of them: a pipeline chunk), in order; returns the
+        output and the per-layer MoE statistics.
 
         Scanned, one layer body is compiled whatever the depth; unrolled, XLA schedules and fuses across layer
         boundaries (and overlaps FSDP gathers with the previous layer), which runs faster. Parameters stay
         stacked either way, so checkpoints and shardings do not depend on the choice.
         """
-        graphdef, state = nnx.split(self.blocks)
+        graphdef, state = nnx.split(self.dense_blocks if dense else self.blocks)
         stacked_state = state if stacked_state is None else stacked_state
 
         def layer(x_BSD, layer_state):
@@ -78,11 +118,12 @@ class Transformer(nnx.Module):
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
         if self.scan_layers:
-            x_BSD, _ = jax.lax.scan(lambda x, s: (layer(x, s), None), x_BSD, stacked_state)
-            return x_BSD
+            return jax.lax.scan(layer, x_BSD, stacked_state)
+        stats = []
         for i in range(jax.tree.leaves(stacked_state)[0].shape[0]):
-            x_BSD = layer(x_BSD, jax.tree.map(lambda w: w[i], stacked_state))
-        return x_BSD
+            x_BSD, layer_stats = layer(x_BSD, jax.tree.map(lambda w: w[i], stacked_state))
+            stats.append(layer_stats)
+        return x_BSD, jax.tree.map(lambda *s: jnp.stack(s), *stats)
 
     def logits(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and output head."""

@@ -96,8 +96,19 @@ def _check_layout(cfg: Config, d: dict[str, int]) -> None:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={d['tensor']}")
     if m.kv_heads % d["tensor"]:
         raise ConfigError(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tensor={d['tensor']}")
-    if t.seq_len % d["context"]:
-        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.context={d['context']}")
+    cp = d["context"]
+    if cp > 1 and t.seq_len % (2 * cp):
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2 x parallel.context={cp} (causal load "
+                          f"balancing cuts the sequence into 2 x context chunks)")
+    if cp > 1 and m.attention_impl == "te":
+        raise ConfigError("model.attention_impl=te cannot serve parallel.context > 1: context-parallel attention "
+                          "runs cudnn (GPU) or xla blocks; use model.attention_impl=auto")
+    moe = m.moe
+    if moe.enabled and moe.num_experts % d["expert"]:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={d['expert']}")
+    if moe.enabled and P > 1:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} with parallel.stage={P}: MoE models do not run "
+                          f"in the pipeline yet; use expert, fsdp, tensor or data parallelism")
     M = accumulation_steps(cfg, d)
     if P > 1 and M < P:
         raise ConfigError(f"{M} microbatch(es) cannot fill parallel.stage={P} pipeline stages: set "

@@ -69,20 +69,21 @@ def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh
     Lc = L // (V * P)
     blocks = jax.tree.map(lambda a: a.reshape(V, P, Lc, *a.shape[1:]), params["blocks"])
     rest = {k: v for k, v in params.items() if k != "blocks"}
-    tokens_MbS = _split_microbatches(batch["inputs"], M, ax.ACT_SEQ_SP)  # the embedding's output layout
-    targets_MbS = _split_microbatches(batch["targets"], M, ax.ACT_SEQ)  # the logits' layout
+    positions_BS = batch["positions"] if "positions" in batch else default_positions(batch["inputs"])
+    data = {"tokens": _split_microbatches(batch["inputs"], M, ax.ACT_SEQ_SP),  # the embedding's output layout
+            "targets": _split_microbatches(batch["targets"], M, ax.ACT_SEQ),  # the logits' layout
+            "positions": _split_microbatches(positions_BS, M, ax.ACT_SEQ)}
     run = _one_f_one_b if schedule.kind == "1f1b" else _gpipe
-    return run(graphdef, blocks, rest, tokens_MbS, targets_MbS, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
-               layers=L)
+    return run(graphdef, blocks, rest, data, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L)
 
 
 class _Stage:
     """The model pieces one stage runs, as functions of explicit parameters."""
 
-    def __init__(self, graphdef, blocks_local, tokens_MbS, targets_MbS, loss_fn, M):
-        self.graphdef, self.tokens, self.targets, self.loss_fn, self.M = graphdef, tokens_MbS, targets_MbS, loss_fn, M
+    def __init__(self, graphdef, blocks_local, data, loss_fn, M):
+        self.graphdef, self.loss_fn, self.M = graphdef, loss_fn, M
+        self.tokens, self.targets, self.positions = data["tokens"], data["targets"], data["positions"]
         self.placeholder = _at(blocks_local, 0)  # merge needs some blocks; the chunk's own are passed explicitly
-        self.positions_bS = default_positions(tokens_MbS[0])
 
     def model(self, rest):
         return nnx.merge(self.graphdef, {**rest, "blocks": self.placeholder})
@@ -90,9 +91,9 @@ class _Stage:
     def embed(self, rest, m):
         return self.model(rest).embed(self.tokens[m])
 
-    def chunk(self, rest, chunk_blocks, x_bSD):
+    def chunk(self, rest, chunk_blocks, x_bSD, m):
         x_bSD = ax.constrain(x_bSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
-        return self.model(rest).run_blocks(x_bSD, self.positions_bS, chunk_blocks)
+        return self.model(rest).run_blocks(x_bSD, self.positions[m], chunk_blocks)[0]
 
     def loss(self, rest, y_bSD, m):
         """This microbatch's share of the mean loss (all microbatches have the same number of tokens)."""
@@ -103,16 +104,16 @@ def _specs(blocks, rest):
     return (jax.tree.map(lambda _: PartitionSpec(None, STAGE), blocks), jax.tree.map(lambda _: PartitionSpec(), rest))
 
 
-def _one_f_one_b(graphdef, blocks, rest, tokens_MbS, targets_MbS, *, mesh, schedule, loss_fn, layers):
+def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers):
     P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
     (fwd_ok, fwd_v, fwd_m), (bwd_ok, bwd_v, bwd_m) = _tables(schedule.forward), _tables(schedule.backward)
     slots = 2 * V * P
     to_next = [(i, (i + 1) % P) for i in range(P)]
     to_prev = [(i, (i - 1) % P) for i in range(P)]
 
-    def per_stage(blocks, rest, tokens_MbS, targets_MbS):
+    def per_stage(blocks, rest, data):
         blocks = jax.tree.map(lambda a: a[:, 0], blocks)  # (V, Lc, ...): this stage's chunks
-        st = _Stage(graphdef, blocks, tokens_MbS, targets_MbS, loss_fn, M)
+        st = _Stage(graphdef, blocks, data, loss_fn, M)
         p = jax.lax.axis_index(STAGE)
         x0 = jax.eval_shape(lambda: st.embed(rest, 0))
         zero_act = jnp.zeros(x0.shape, x0.dtype)
@@ -121,17 +122,17 @@ def _one_f_one_b(graphdef, blocks, rest, tokens_MbS, targets_MbS, *, mesh, sched
 
         def forward(act_in, v, m):
             x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
-            return x, st.chunk(rest, _at(blocks, v), x)
+            return x, st.chunk(rest, _at(blocks, v), x, m)
 
         def backward_last(x, g, v, m):
             def f(chunk_blocks, rest, x):
-                return st.loss(rest, st.chunk(rest, chunk_blocks, x), m)
+                return st.loss(rest, st.chunk(rest, chunk_blocks, x, m), m)
             loss, vjp = jax.vjp(f, _at(blocks, v), rest, x)
             g_blocks, g_rest, g_x = vjp(jnp.ones_like(loss))
             return loss, g_blocks, g_rest, g_x
 
         def backward_mid(x, g, v, m):
-            _, vjp = jax.vjp(lambda cb, x: st.chunk(rest, cb, x), _at(blocks, v), x)
+            _, vjp = jax.vjp(lambda cb, x: st.chunk(rest, cb, x, m), _at(blocks, v), x)
             g_blocks, g_x = vjp(g)
             return jnp.zeros((), jnp.float32), g_blocks, zero_rest, g_x
 
@@ -174,29 +175,29 @@ def _one_f_one_b(graphdef, blocks, rest, tokens_MbS, targets_MbS, *, mesh, sched
 
     blocks_spec, rest_spec = _specs(blocks, rest)
     loss, g_rest, g_blocks = jax.shard_map(
-        per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec(), PartitionSpec()),
+        per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
         out_specs=(PartitionSpec(), rest_spec, blocks_spec), axis_names={STAGE}, check_vma=False,
-    )(blocks, rest, tokens_MbS, targets_MbS)
+    )(blocks, rest, data)
     g_blocks = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), g_blocks)
     return loss, {**g_rest, "blocks": g_blocks}
 
 
-def _gpipe(graphdef, blocks, rest, tokens_MbS, targets_MbS, *, mesh, schedule, loss_fn, layers):
+def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers):
     P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
     fwd_ok, fwd_v, fwd_m = _tables(schedule.forward)
     ticks = M * V + P - 1  # the forward half of the table; autodiff runs the rest
     to_next = [(i, (i + 1) % P) for i in range(P)]
 
-    def per_stage(blocks, rest, tokens_MbS, targets_MbS):
+    def per_stage(blocks, rest, data):
         blocks = jax.tree.map(lambda a: a[:, 0], blocks)
-        st = _Stage(graphdef, blocks, tokens_MbS, targets_MbS, loss_fn, M)
+        st = _Stage(graphdef, blocks, data, loss_fn, M)
         p = jax.lax.axis_index(STAGE)
         x0 = jax.eval_shape(lambda: st.embed(rest, 0))
         zero_act = jnp.zeros(x0.shape, x0.dtype)
 
         def forward(act_in, v, m):
             x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
-            y = st.chunk(rest, _at(blocks, v), x)
+            y = st.chunk(rest, _at(blocks, v), x, m)
             loss = jax.lax.cond((v == V - 1) & (p == P - 1), lambda: st.loss(rest, y, m).astype(jnp.float32),
                                 lambda: jnp.zeros((), jnp.float32))
             return y, loss
@@ -211,10 +212,8 @@ def _gpipe(graphdef, blocks, rest, tokens_MbS, targets_MbS, *, mesh, schedule, l
         return jax.lax.psum(loss, STAGE)
 
     blocks_spec, rest_spec = _specs(blocks, rest)
-    pipeline_loss = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec(),
-                                                                   PartitionSpec()),
+    pipeline_loss = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
                                   out_specs=PartitionSpec(), axis_names={STAGE}, check_vma=False)
-    loss, (g_blocks, g_rest) = jax.value_and_grad(
-        lambda b, r: pipeline_loss(b, r, tokens_MbS, targets_MbS), argnums=(0, 1))(blocks, rest)
+    loss, (g_blocks, g_rest) = jax.value_and_grad(lambda b, r: pipeline_loss(b, r, data), argnums=(0, 1))(blocks, rest)
     g_blocks = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), g_blocks)
     return loss, {**g_rest, "blocks": g_blocks}

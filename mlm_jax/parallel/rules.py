@@ -24,6 +24,7 @@ _PARAMS: Rules = (
     (ax.HEADS, ("tensor",)),
     (ax.KV_HEADS, ("tensor",)),
     (ax.MLP, ("tensor",)),
+    (ax.EXPERTS, ("expert",)),
     (ax.HEAD_DIM, ()),
     (ax.LAYERS, ("stage",)),  # pipeline stages hold their own layers
     (ax.NORM, ()),

@@ -22,6 +22,7 @@ from mlm_jax.layers import axes as ax
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import any_process, shared_time
 from mlm_jax.parallel.mesh import accumulation_steps, build_mesh, dcn_degrees, resolve_degrees
+from mlm_jax.parallel.kernels import parallel_kernels
 from mlm_jax.parallel.pipeline import pipeline_value_and_grad
 from mlm_jax.parallel.schedule import SCHEDULES, theoretical_bubble
 from mlm_jax.parallel.rules import make_rules, resolve
@@ -133,16 +134,19 @@ class Trainer:
             self.schedule = SCHEDULES[p.pipeline_schedule](self.degrees["stage"], p.virtual_stages, self.accum_steps)
             pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef, mesh=self.mesh,
                                          schedule=self.schedule, loss_fn=cross_entropy)
+        moe = cfg.model.moe if cfg.model.moe.enabled else None
+        kernels, prepare = parallel_kernels(cfg, self.mesh, self.degrees)
         step = make_train_step(
             self.spec.graphdef, self.tx, accum_steps=self.accum_steps, resolver=self.resolver,
             master_shardings=self.master_shardings,
             compute_shardings=shd.named(self.mesh, self.param_specs) if zero1 else None,
-            compute_dtype=jnp.dtype(cfg.model.dtype), lr_schedule=self.lr_schedule, pipeline=pipeline)
+            compute_dtype=jnp.dtype(cfg.model.dtype), lr_schedule=self.lr_schedule, pipeline=pipeline, moe=moe,
+            kernels=kernels, prepare=prepare)
         shardings = state_shardings(self.state)
         batch_shardings = {"inputs": self.batch_sharding, "targets": self.batch_sharding}
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
                                    out_shardings=(shardings, None), donate_argnums=0)
-        self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver),
+        self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver, moe, kernels, prepare),
                                   in_shardings=(self.master_shardings, batch_shardings))
         self._compiled = None
 

@@ -18,8 +18,13 @@ def peak_flops(device_kind: str) -> float | None:
 
 
 def flops_per_token(m: ModelConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding parameters + 6 x L x S x D for causal attention."""
+    """Training FLOPs per token: 6 x non-embedding parameters + 6 x L x S x D for causal attention.
+
+    In an MoE model only the `top_k` experts a token visits count (the active parameters)."""
     non_embedding = num_params - m.vocab_size * m.hidden_size
+    if m.moe.enabled:
+        moe_layers = sum(m.moe.is_moe_layer(i) for i in range(m.num_layers))
+        non_embedding -= moe_layers * 3 * m.hidden_size * m.expert_ffn * (m.moe.num_experts - m.moe.top_k)
     head = 6 * m.vocab_size * m.hidden_size if m.tie_embeddings else 0
     return 6 * non_embedding + head + 6 * m.num_layers * seq_len * m.hidden_size
 
@@ -81,9 +86,11 @@ class MetricsLog:
 
 
 def plain(v):
-    """JSON-safe scalars; non-finite floats as null."""
-    if hasattr(v, "item"):
-        v = v.item()
+    """JSON-safe scalars and lists (per-layer metrics); non-finite floats as null."""
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    if isinstance(v, list):
+        return [plain(x) for x in v]
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v

@@ -9,39 +9,72 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mlm_jax.config import MoEConfig
 from mlm_jax.layers import axes as ax
 from mlm_jax.train.loss import cross_entropy
 from mlm_jax.train.state import TrainState
 
 
-def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
-    def loss_fn(params, batch) -> jax.Array:
-        logits_BSV = nnx.merge(graphdef, params)(batch["inputs"])
+def make_loss_fn(graphdef: nnx.GraphDef, moe: MoEConfig | None = None) -> Callable:
+    """`loss_fn(params, batch) -> (objective, metrics)`: the objective adds the MoE losses to the cross-entropy,
+    which `metrics["loss"]` reports alone. MoE losses are means over the MoE layers."""
+    def loss_fn(params, batch) -> tuple[jax.Array, dict]:
+        logits_BSV, stats = nnx.merge(graphdef, params).forward(batch["inputs"], batch.get("positions"))
         with jax.named_scope("loss"):
-            return cross_entropy(logits_BSV, batch["targets"])
+            loss = cross_entropy(logits_BSV, batch["targets"])
+        if not stats:
+            return loss, {"loss": loss}
+        aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
+        metrics = {"loss": loss, "moe_aux_loss": aux, "moe_z_loss": z, "moe_dropped": stats["dropped"],
+                   "moe_load": stats["load"]}
+        return loss + moe.aux_loss_coef * aux + moe.z_loss_coef * z, metrics
     return loss_fn
+
+
+def load_imbalance(load_LE: jax.Array) -> jax.Array:
+    """Per MoE layer, the busiest expert's load over the mean load (1 = balanced)."""
+    return jnp.max(load_LE, axis=-1) * load_LE.shape[-1]
+
+
+def update_router_bias(params, load_LE: jax.Array, rate: float):
+    """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower the over-loaded ones."""
+    router = params["blocks"]["moe"]["router"]
+    bias = router["bias"] + rate * jnp.sign(jnp.mean(load_LE, axis=-1, keepdims=True) - load_LE)
+    return {**params, "blocks": {**params["blocks"], "moe": {**params["blocks"]["moe"],
+                                                              "router": {**router, "bias": bias}}}}
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: int, resolver: Callable,
                     master_shardings, compute_shardings=None, compute_dtype=jnp.float32,
-                    lr_schedule: optax.Schedule, pipeline: Callable | None = None) -> Callable:
+                    lr_schedule: optax.Schedule, pipeline: Callable | None = None, moe: MoEConfig | None = None,
+                    kernels: dict | None = None, prepare: Callable | None = None) -> Callable:
     """`step(state, batch) -> (state, metrics)`.
+
+    `kernels` (by `axes` kernel name) replace layer computations that need explicit collectives; `prepare(batch)`
+    rewrites the batch once before anything else (context parallelism's load-balancing permutation).
 
     With `compute_shardings` (ZeRO-1), the sharded fp32 master weights are cast to `compute_dtype` and gathered
     into the compute layout once per step; gradients come back reduce-scattered into the master layout.
     `pipeline(params, batch) -> (loss, grads)` replaces autodiff and the accumulation scan: it runs the
     microbatches through the pipeline stages itself.
     """
-    loss_fn = make_loss_fn(graphdef)
-    value_and_grad = pipeline or jax.value_and_grad(loss_fn)
+    loss_fn = make_loss_fn(graphdef, moe)
+    if pipeline is None:
+        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+    else:
+        def value_and_grad(params, batch):
+            loss, grads = pipeline(params, batch)
+            return (loss, {"loss": loss}), grads
 
     def grads_of(params, batch):
+        """(metrics, gradients) of one (micro)batch."""
         if compute_shardings is None:
-            return value_and_grad(params, batch)
+            (_, metrics), grads = value_and_grad(params, batch)
+            return metrics, grads
         compute = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: p.astype(compute_dtype), params), compute_shardings)
-        loss, grads = value_and_grad(compute, batch)
-        return loss, to_master(grads)
+        (_, metrics), grads = value_and_grad(compute, batch)
+        return metrics, to_master(grads)
 
     def to_master(grads):
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -57,44 +90,57 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: 
         micro = jax.tree.map(split, batch)
 
         def body(carry, a):
-            loss_sum, grad_sum = carry
+            metrics_sum, grad_sum = carry
             mb = jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
-            loss, grads = grads_of(params, mb)
+            metrics, grads = grads_of(params, mb)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-            return (loss_sum + loss, to_master(grad_sum)), None
+            return (jax.tree.map(jnp.add, metrics_sum, metrics), to_master(grad_sum)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), to_master(zeros)),
-                                               jnp.arange(accum_steps))
-        return loss_sum / accum_steps, jax.tree.map(lambda g: g / accum_steps, grad_sum)
+        metric_shapes = jax.eval_shape(lambda: grads_of(params, jax.tree.map(lambda x: x[:, 0], micro))[0])
+        zero_metrics = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes)
+        (metrics_sum, grad_sum), _ = jax.lax.scan(body, (zero_metrics, to_master(zeros)), jnp.arange(accum_steps))
+        return (jax.tree.map(lambda m: m / accum_steps, metrics_sum),
+                jax.tree.map(lambda g: g / accum_steps, grad_sum))
 
     def step(state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
-        with ax.activation_resolver(resolver):
+        with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
+            if prepare is not None:
+                batch = prepare(batch)
             if accum_steps == 1 or pipeline is not None:
-                loss, grads = grads_of(state.params, batch)
+                metrics, grads = grads_of(state.params, batch)
             else:
-                loss, grads = accumulate(state.params, batch)
+                metrics, grads = accumulate(state.params, batch)
+        loss = metrics["loss"]
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            if moe is not None and moe.router_bias_update:
+                params = update_router_bias(params, metrics["moe_load"], moe.router_bias_update)
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
             new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
                                    opt_state=keep(opt_state, state.opt_state),
                                    skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
                    "skipped_steps": new_state.skipped_steps}
+        if "moe_load" in metrics:
+            metrics["moe_load_max_mean"] = load_imbalance(metrics.pop("moe_load"))
         return new_state, metrics
 
     return step
 
 
-def make_eval_step(graphdef, resolver: Callable) -> Callable:
-    loss_fn = make_loss_fn(graphdef)
+def make_eval_step(graphdef, resolver: Callable, moe: MoEConfig | None = None, kernels: dict | None = None,
+                   prepare: Callable | None = None) -> Callable:
+    """`eval_step(params, batch) -> cross-entropy` (without the MoE losses)."""
+    loss_fn = make_loss_fn(graphdef, moe)
 
     def eval_step(params, batch):
-        with ax.activation_resolver(resolver):
-            return loss_fn(params, batch)
+        with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
+            if prepare is not None:
+                batch = prepare(batch)
+            return loss_fn(params, batch)[1]["loss"]
 
     return eval_step

@@ -1,0 +1,102 @@
+"""Mixture-of-experts FFN: a router picks `top_k` of `num_experts` SwiGLU experts per token.
+
+Shapes: B batch, S sequence, D model, E experts, K top-k, F expert ffn.
+
+Routing runs in fp32 on the global (automatically sharded) batch, so every statistic below is a global-batch
+statistic whatever the layout: XLA turns the means into all-reduces. The experts themselves run through
+`layers.experts.expert_ffn`, or the expert-parallel kernel the trainer installs (`axes.EXPERT_FFN`).
+
+- softmax router (Mixtral): softmax over all E logits, top-k, weights renormalised to sum 1.
+- sigmoid router (DeepSeek-V3): sigmoid scores; the top-k are chosen on score + a per-expert `bias` that the
+  trainer moves towards balanced load after each step (never by the gradient); weights are the chosen scores,
+  renormalised.
+- Load-balancing loss (Switch/GShard): E * sum_e f_e * p_e, f_e the fraction of assignments routed to expert e
+  (no gradient), p_e the mean routing probability of e. Router z-loss: mean of logsumexp(logits)^2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mlm_jax.config import MoEConfig
+from mlm_jax.layers import axes as ax
+from mlm_jax.layers.linear import param
+from mlm_jax.layers.mlp import MLP
+
+
+@dataclass(frozen=True)
+class MoELayerConfig:
+    dim: int
+    ffn: int  # per expert
+    moe: MoEConfig
+
+
+class Router(nnx.Module):
+    def __init__(self, dim: int, num_experts: int, *, std: float, with_bias: bool, param_dtype, rngs: nnx.Rngs):
+        self.kernel = param(std * jax.random.normal(rngs.params(), (dim, num_experts), param_dtype), (ax.EMBED, None))
+        if with_bias:
+            self.bias = param(jnp.zeros((num_experts,), param_dtype), (None,))
+
+
+class Experts(nnx.Module):
+    """The experts' stacked SwiGLU weights; the expert dim shards over `expert`, the ffn dim over `tensor`."""
+
+    def __init__(self, c: MoELayerConfig, *, std: float, out_std: float, param_dtype, rngs: nnx.Rngs):
+        E, D, F = c.moe.num_experts, c.dim, c.ffn
+        self.gate = param(std * jax.random.normal(rngs.params(), (E, D, F), param_dtype), (ax.EXPERTS, ax.EMBED, ax.MLP))
+        self.up = param(std * jax.random.normal(rngs.params(), (E, D, F), param_dtype), (ax.EXPERTS, ax.EMBED, ax.MLP))
+        self.down = param(out_std * jax.random.normal(rngs.params(), (E, F, D), param_dtype),
+                          (ax.EXPERTS, ax.MLP, ax.EMBED))
+
+
+class MoE(nnx.Module):
+    def __init__(self, c: MoELayerConfig, *, std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs,
+                 precision: str = "bf16"):
+        self.c, self.dtype = c, dtype
+        m = c.moe
+        self.router = Router(c.dim, m.num_experts, std=std, with_bias=m.router == "sigmoid", param_dtype=param_dtype,
+                             rngs=rngs)
+        self.experts = Experts(c, std=std, out_std=out_std, param_dtype=param_dtype, rngs=rngs)
+        if m.shared_experts:
+            self.shared = MLP(c.dim, m.shared_experts * c.ffn, activation="swiglu", std=std, out_std=out_std,
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision)
+
+    def route(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+        """(experts_BSK, weights_BSK, statistics) for the tokens of `x_BSD`."""
+        m = self.c.moe
+        E, K = m.num_experts, m.top_k
+        logits_BSE = jnp.einsum("bsd,de->bse", x_BSD.astype(jnp.float32), self.router.kernel[...].astype(jnp.float32))
+        if m.router == "softmax":
+            probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
+            chosen_BSK, experts_BSK = jax.lax.top_k(probs_BSE, K)
+        else:
+            scores_BSE = jax.nn.sigmoid(logits_BSE)
+            biased_BSE = scores_BSE + jax.lax.stop_gradient(self.router.bias[...].astype(jnp.float32))
+            _, experts_BSK = jax.lax.top_k(biased_BSE, K)
+            chosen_BSK = jnp.take_along_axis(scores_BSE, experts_BSK, axis=-1)
+            probs_BSE = scores_BSE / jnp.sum(scores_BSE, axis=-1, keepdims=True)
+        weights_BSK = chosen_BSK / jnp.sum(chosen_BSK, axis=-1, keepdims=True)
+        load_E = jnp.mean(jnp.sum(jax.nn.one_hot(experts_BSK, E, dtype=jnp.float32), axis=2), axis=(0, 1)) / K
+        stats = {
+            "aux_loss": E * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(probs_BSE, axis=(0, 1))),
+            "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BSE, axis=-1))),
+            "load": load_E,  # fraction of assignments per expert (sums to 1)
+        }
+        return experts_BSK, weights_BSK, stats
+
+    def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, dict]:
+        m = self.c.moe
+        experts_BSK, weights_BSK, stats = self.route(x_BSD)
+        w = self.experts
+        from mlm_jax.layers.experts import expert_ffn  # TEMP until experts.py lands
+        run = ax.kernel(ax.EXPERT_FFN) or expert_ffn
+        y_BSD, dropped = run(x_BSD.astype(self.dtype), experts_BSK, weights_BSK.astype(self.dtype),
+                             w.gate[...].astype(self.dtype), w.up[...].astype(self.dtype),
+                             w.down[...].astype(self.dtype), capacity_factor=m.capacity_factor, impl=m.impl)
+        stats["dropped"] = dropped.astype(jnp.float32) / (experts_BSK.size)  # fraction of assignments dropped
+        if hasattr(self, "shared"):
+            y_BSD = y_BSD + self.shared(x_BSD)
+        return ax.constrain(y_BSD, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)), stats
