@@ -26,7 +26,7 @@ def _size(text: str) -> int:
 
 def main(argv=None) -> int:
     parser = _Parser(prog="python -m mlm_jax.convert",
-                     description="Convert Llama/Mistral/Qwen2 weights between Hugging Face and mlm_jax.")
+                     description="Convert Llama/Mistral/Qwen2/Mixtral weights between Hugging Face and mlm_jax.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     src = commands.add_parser("from-hf", help="HF folder (config.json + *.safetensors) -> config.yaml + checkpoint")
     src.add_argument("src")

@@ -18,11 +18,16 @@ import yaml
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mlm_jax.config import Config, validate
-from mlm_jax.convert import ConvertError, llama, store
+from mlm_jax.config import Config, ModelConfig, validate
+from mlm_jax.convert import ConvertError, llama, mixtral, store
 from mlm_jax.train.state import model_spec
 
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
+
+
+def _family(m: ModelConfig):
+    """The module that names and lays out `m`'s tensors: Mixtral for a mixture of experts, else Llama/Qwen2."""
+    return mixtral if m.moe.enabled else llama
 
 
 def _require_empty(dst: str) -> None:
@@ -43,8 +48,8 @@ def from_hf(src: str, dst: str) -> Config:
     with contextlib.ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(path, framework="numpy")) for path in set(files.values())}
 
-        def read(e: llama.Entry, shape: tuple[int, ...], layer: int | None = None) -> np.ndarray:
-            name = e.name.format(i=layer)
+        def read(e: llama.Entry, shape: tuple[int, ...], index: tuple[int, ...]) -> np.ndarray:
+            name = e.hf_name(index)
             if name not in files:
                 raise ConvertError(f"{src}: tensor {name} is missing")
             x = handles[files.pop(name)].get_tensor(name)
@@ -53,13 +58,10 @@ def from_hf(src: str, dst: str) -> Config:
                                    f"{llama.hf_shape(e, shape)}")
             return llama.to_ours(e, x, shape)
 
-        for e, shape in llama.layout(model_spec(m).shapes):
-            if e.layered:
-                value = np.empty(shape, dtype)
-                for i in range(shape[0]):
-                    value[i] = read(e, shape[1:], i)
-            else:
-                value = read(e, shape).astype(dtype, copy=False)
+        for e, shape in _family(m).layout(model_spec(m).shapes):
+            value = np.empty(shape, dtype)
+            for index in np.ndindex(shape[:e.stacked]):  # one HF tensor per (layer, expert) of a stacked parameter
+                value[index] = read(e, shape[e.stacked:], index)
             node = params
             for key in e.path[:-1]:
                 node = node.setdefault(key, {})
@@ -95,7 +97,7 @@ def to_hf(path: str, dst: str, dtype: str = "float32", max_shard_bytes: int = 2 
     out_dtype = EXPORT_DTYPES[dtype]
     m = c.model
     carried = {"max_position_embeddings": c.meta["config"]["train"]["seq_len"], **c.meta.get("hf", {})}
-    config = llama.hf_config(m, dtype, carried)
+    config = _family(m).hf_config(m, dtype, carried)
     _require_empty(dst)
     spec = model_spec(m)
     try:
@@ -103,7 +105,7 @@ def to_hf(path: str, dst: str, dtype: str = "float32", max_shard_bytes: int = 2 
     except RuntimeError:  # no host platform configured
         device = jax.devices()[0]
     params = store.restore_weights(c, spec.shapes, device)
-    tensors = llama.hf_tensors(llama.layout(spec.shapes))
+    tensors = llama.hf_tensors(_family(m).layout(spec.shapes))
     sizes = [math.prod(llama.hf_shape(e, shape)) * out_dtype.itemsize for _, e, _, shape in tensors]
     shards = _shards(sizes, max_shard_bytes)
     os.makedirs(dst, exist_ok=True)
@@ -111,9 +113,8 @@ def to_hf(path: str, dst: str, dtype: str = "float32", max_shard_bytes: int = 2 
     for k, shard in enumerate(shards):
         file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         out = {}
-        for name, e, i, _ in (tensors[j] for j in shard):
-            value = np.asarray(_get(params, e.path))
-            value = value if i is None else value[i]
+        for name, e, index, _ in (tensors[j] for j in shard):
+            value = np.asarray(_get(params, e.path))[index]
             out[name] = np.ascontiguousarray(llama.to_hf(e, value), dtype=out_dtype)
             weight_map[name] = file
         save_file(out, os.path.join(dst, file), metadata={"format": "pt"})

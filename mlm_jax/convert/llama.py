@@ -25,13 +25,22 @@ IGNORED_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old checkpoints saved; r
 
 class Entry(NamedTuple):
     path: tuple[str, ...]  # our parameter; `blocks/...` ones are stacked along a leading layers dim
-    name: str  # HF tensor name; per-layer names hold `{i}`
+    name: str  # HF tensor name; per-layer names hold `{i}`, per-expert ones `{j}` too
     kind: str = "same"  # same: one layout; flat: HF flattens our dims (biases); linear: HF's (out, in) weight
     in_dims: int = 1  # linear: how many leading dims of our kernel are its input
 
     @property
     def layered(self) -> bool:
         return "{i}" in self.name
+
+    @property
+    def stacked(self) -> int:
+        """How many leading dims of our parameter HF splits into separate tensors: layers, then experts."""
+        return ("{i}" in self.name) + ("{j}" in self.name)
+
+    def hf_name(self, index: tuple[int, ...] = ()) -> str:
+        """The HF tensor at `index` (layer, expert) of our stacked parameter."""
+        return self.name.format(**dict(zip("ij", index)))
 
 
 def _layer(path: str, name: str, *rest) -> Entry:
@@ -74,24 +83,27 @@ def to_hf(e: Entry, x: np.ndarray) -> np.ndarray:
     return x.reshape(-1) if e.kind == "flat" else x
 
 
-def layout(shapes: dict) -> list[tuple[Entry, tuple[int, ...]]]:
+def layout(shapes: dict, entries: tuple[Entry, ...] = ENTRIES,
+           family: str = "Llama") -> list[tuple[Entry, tuple[int, ...]]]:
     """Our parameters (a nested dict of shaped leaves) in HF order, with their full shapes."""
     flat = dict(_leaves(shapes))
-    out = [(e, flat.pop(e.path)) for e in ENTRIES if e.path in flat]
+    out = [(e, flat.pop(e.path)) for e in entries if e.path in flat]
     if flat:
-        raise ConvertError(f"parameter {'/'.join(next(iter(flat)))} has no Hugging Face Llama counterpart")
+        raise ConvertError(f"parameter {'/'.join(next(iter(flat)))} has no Hugging Face {family} counterpart")
     return out
 
 
-def hf_tensors(entries: list[tuple[Entry, tuple[int, ...]]]) -> list[tuple[str, Entry, int | None, tuple]]:
-    """(name, entry, layer, per-layer shape) of every HF tensor in file order: embedding, layer by layer, head."""
+def hf_tensors(entries: list[tuple[Entry, tuple[int, ...]]]) -> list[tuple[str, Entry, tuple[int, ...], tuple]]:
+    """(name, entry, index, shape) of every HF tensor in file order: embedding, layer by layer (expert by expert
+    within an entry), head. `index` picks the tensor out of our stacked parameter: (), (layer,) or (layer, expert)."""
     layered = [(e, shape) for e, shape in entries if e.layered]
     out = []
     for e, shape in entries:
         if not e.layered:
-            out.append((e.name, e, None, shape))
+            out.append((e.name, e, (), shape))
         elif e is layered[0][0]:
-            out += [(f.name.format(i=i), f, i, s[1:]) for i in range(shape[0]) for f, s in layered]
+            out += [(f.hf_name((i, *j)), f, (i, *j), s[f.stacked:])
+                    for i in range(shape[0]) for f, s in layered for j in np.ndindex(s[1:f.stacked])]
     return out
 
 
@@ -106,8 +118,12 @@ def _leaves(node: dict, prefix: tuple[str, ...] = ()):
 def model_config(hf: dict) -> ModelConfig:
     """Our model section for an HF `config.json`; anything we would compute differently is refused."""
     arch = (hf.get("architectures") or [None])[0]
+    if arch == "MixtralForCausalLM":  # Mistral's attention with a mixture-of-experts FFN
+        from mlm_jax.convert import mixtral  # it builds on this module
+        return mixtral.model_config(hf)
     if arch not in ARCHITECTURES:
-        raise ConvertError(f"architecture {arch!r} is not supported (expected one of {', '.join(ARCHITECTURES)})")
+        raise ConvertError(f"architecture {arch!r} is not supported "
+                           f"(expected one of {', '.join(ARCHITECTURES)}, MixtralForCausalLM)")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if hf.get(k) is None]
     if missing:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
-from mlm_jax.config import ModelConfig
+from mlm_jax.config import ModelConfig, MoEConfig
 from mlm_jax.convert import ConvertError
 from mlm_jax.train import checkpoint as ckpt
 
@@ -23,7 +23,8 @@ class Checkpoint(NamedTuple):
 
     @property
     def model(self) -> ModelConfig:
-        return ModelConfig(**self.meta["config"]["model"])
+        model = self.meta["config"]["model"]
+        return ModelConfig(**{**model, "moe": MoEConfig(**model.get("moe", {}))})  # older checkpoints lack `moe`
 
 
 def _manager(directory: str, create: bool = False) -> ocp.CheckpointManager:
