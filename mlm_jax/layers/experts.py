@@ -1,0 +1,210 @@
+"""The expert FFNs of a Mixture-of-Experts layer: y[t] = sum_k weights[t,k] * FFN_{experts[t,k]}(x[t]).
+
+The router has already chosen K experts and their combine weights per token; this module moves token rows to
+their experts and back. Every expert is a SwiGLU, (silu(x @ gate_e) * (x @ up_e)) @ down_e. Two modes:
+
+- Dropless (`capacity_factor=None`): the T*K assignments are sorted by expert (stable argsort), their token rows
+  gathered into one (A, D) matrix in which each expert's rows are one contiguous group, and each projection is
+  one grouped matmul over the per-expert group sizes. Shapes are static (always A rows), whatever the routing.
+- Capacity (`capacity_factor=c`): each expert gets C = ceil(T*K/E * c) slots of an (E, C, D) buffer and the
+  FFNs are batched einsums. An assignment's slot is its rank among the assignments to its expert, counting all
+  first choices (k=0) in token order, then all second choices, ...: a token loses its later choices before any
+  token loses its first. Ranks >= C are dropped (they contribute zero). The buffer is filled by scattering token
+  indices and gathering rows, O(E*C*D) memory rather than a (T, E, C) one-hot.
+
+The grouped matmul is `jax.lax.ragged_dot`, or on Hopper the Pallas Mosaic-GPU kernels behind a custom VJP
+(`grouped_matmul`). The pieces below also serve expert parallelism (`parallel/expert.py`), which adds only the
+all-to-alls between them.
+
+Shapes: B batch, S sequence, T = B*S tokens, D model, F expert ffn, E experts, K experts per token,
+A = T*K assignments (index t*K + k), C capacity slots per expert, R rows of a grouped matmul, G groups,
+N rows of a buffer, P expert-parallel ranks.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs_RK, rhs_GKN, sizes_G) -> out_RN
+IMPLS = ("auto", "ragged", "mgpu")
+_MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def grouped_matmul(matmul: GroupedMatmul, matmul_t: GroupedMatmul,
+                   wgrad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]) -> GroupedMatmul:
+    """A differentiable grouped matmul with `jax.lax.ragged_dot`'s meaning, from three kernels without autodiff.
+
+    matmul(lhs_RK, rhs_GKN, sizes_G) -> RN; matmul_t(lhs_RN, rhs_GKN, sizes_G) -> RK contracts rhs' N;
+    wgrad(lhs_RK, rhs_RN, sizes_G) -> GKN sums each group's rows. Rows past the last group are zero in the
+    output and in d_lhs, and never reach d_rhs: kernels may leave them undefined.
+    """
+    def valid(x_RX, sizes_G):
+        return jnp.where((jnp.arange(x_RX.shape[0]) < sizes_G.sum())[:, None], x_RX, 0)
+
+    @jax.custom_vjp
+    def gmm(lhs_RK, rhs_GKN, sizes_G):
+        return valid(matmul(lhs_RK, rhs_GKN, sizes_G), sizes_G)
+
+    def fwd(lhs_RK, rhs_GKN, sizes_G):
+        return gmm(lhs_RK, rhs_GKN, sizes_G), (lhs_RK, rhs_GKN, sizes_G)
+
+    def bwd(res, d_RN):
+        lhs_RK, rhs_GKN, sizes_G = res
+        d_RN = valid(d_RN, sizes_G)
+        d_lhs_RK = valid(matmul_t(d_RN, rhs_GKN, sizes_G), sizes_G)
+        return d_lhs_RK, wgrad(valid(lhs_RK, sizes_G), d_RN, sizes_G), None
+
+    gmm.defvjp(fwd, bwd)
+    return gmm
+
+
+@functools.cache
+def _mgpu_matmul() -> GroupedMatmul:
+    """Hopper kernels (Pallas Mosaic GPU); imported here since they load only where Mosaic GPU is built."""
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
+    return grouped_matmul(
+        lambda x, w, sizes: ragged_dot(x, w, group_sizes=sizes, **_MGPU_BLOCKS),
+        lambda dy, w, sizes: ragged_dot(dy, w, group_sizes=sizes, transpose_rhs=True, **_MGPU_BLOCKS),
+        lambda x, dy, sizes: transposed_ragged_dot(x, dy, group_sizes=sizes, **_MGPU_BLOCKS))
+
+
+def _mgpu_fits(dtype, D: int, F: int) -> bool:
+    """The Mosaic-GPU kernels need bf16, D and F multiples of their 128-wide tiles, and an H100/H200."""
+    if dtype != jnp.bfloat16 or D % 128 or F % 128 or jax.default_backend() != "gpu":
+        return False
+    return any(name in jax.devices()[0].device_kind for name in ("H100", "H200"))
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"expert impl={impl!r}: expected one of {', '.join(IMPLS)}")
+
+
+def matmul_for(impl: str, dtype, D: int, F: int) -> GroupedMatmul:
+    """The grouped matmul `impl` names; "auto" takes the Mosaic-GPU kernels where they fit and import."""
+    check_impl(impl)
+    if impl == "mgpu":
+        if dtype != jnp.bfloat16 or D % 128 or F % 128:
+            raise ValueError(f"expert impl='mgpu' needs bf16 and model/ffn dims divisible by 128, got {dtype}, "
+                             f"D={D}, F={F}")
+        return _mgpu_matmul()
+    if impl == "auto" and _mgpu_fits(dtype, D, F):
+        try:
+            return _mgpu_matmul()
+        except ImportError:
+            pass
+    return jax.lax.ragged_dot
+
+
+def group_ranks(groups_A: jax.Array, num_groups: int) -> jax.Array:
+    """Rank of each element among the elements of its group, counted in array order (a stable sort by group)."""
+    A = groups_A.shape[0]
+    order_A = jnp.argsort(groups_A, stable=True)
+    counts_G = jnp.zeros(num_groups, jnp.int32).at[groups_A].add(1)
+    starts_G = jnp.cumsum(counts_G) - counts_G
+    ranks = jnp.arange(A, dtype=jnp.int32) - starts_G[groups_A[order_A]]
+    return jnp.zeros(A, jnp.int32).at[order_A].set(ranks)
+
+
+def gather_rows(x_ND: jax.Array, rows_R: jax.Array) -> jax.Array:
+    """x_ND[rows_R], zero where a row index is out of range (N marks "no row")."""
+    return jnp.take(x_ND, rows_R, axis=0, mode="fill", fill_value=0)
+
+
+def dispatch(x_TD: jax.Array, slot_A: jax.Array, K: int, num_slots: int) -> jax.Array:
+    """A (num_slots, D) buffer whose row slot_A[a] is token a // K's row; unfilled rows are zero, slots past the
+    buffer (dropped assignments) go nowhere."""
+    token_N = jnp.full(num_slots, x_TD.shape[0], jnp.int32).at[slot_A].set(
+        jnp.arange(slot_A.shape[0], dtype=jnp.int32) // K, mode="drop")
+    return gather_rows(x_TD, token_N)
+
+
+def combine(out_AD: jax.Array, weights_TK: jax.Array) -> jax.Array:
+    """y[t] = sum_k weights[t,k] * out[t*K + k], in the outputs' dtype."""
+    T, K = weights_TK.shape
+    return jnp.einsum("tkd,tk->td", out_AD.reshape(T, K, -1), weights_TK.astype(out_AD.dtype))
+
+
+def sorted_ffn(x_ND: jax.Array, rows_R: jax.Array, experts_R: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+               down_EFD: jax.Array, matmul: GroupedMatmul) -> jax.Array:
+    """out[r] = FFN_{experts_R[r]}(x_ND[rows_R[r]]), zero where experts_R[r] >= E (padding rows).
+
+    The rows are sorted by expert so each expert's rows form one group of the grouped matmuls; padding rows sort
+    past every group, where the matmul leaves them zero.
+    """
+    E = gate_EDF.shape[0]
+    order_R = jnp.argsort(experts_R, stable=True)
+    sizes_E = jnp.zeros(E, jnp.int32).at[experts_R].add(1, mode="drop")
+    x_RD = gather_rows(x_ND, rows_R[order_R])
+    h_RF = jax.nn.silu(matmul(x_RD, gate_EDF, sizes_E)) * matmul(x_RD, up_EDF, sizes_E)
+    out_RD = matmul(h_RF, down_EFD, sizes_E)
+    inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=order_R.dtype))
+    return out_RD[inverse_R]
+
+
+def batched_ffn(x_PECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
+    """Every expert's FFN on its C slots from each of P sources, as batched einsums."""
+    h_PECF = (jax.nn.silu(jnp.einsum("pecd,edf->pecf", x_PECD, gate_EDF))
+              * jnp.einsum("pecd,edf->pecf", x_PECD, up_EDF))
+    return jnp.einsum("pecf,efd->pecd", h_PECF, down_EFD)
+
+
+def capacity(tokens: int, K: int, E: int, capacity_factor: float) -> int:
+    """Slots per expert: the average load T*K/E times the factor, rounded up."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor={capacity_factor}: expected a positive number (or None: dropless)")
+    return math.ceil(tokens * K / E * capacity_factor)
+
+
+def capacity_slots(experts_TK: jax.Array, E: int, C: int) -> tuple[jax.Array, jax.Array]:
+    """Slot of each assignment in a flat (E*C) buffer, expert*C + rank with first choices ranked first, or E*C
+    (past the buffer) when dropped; and the int32 count dropped."""
+    T, K = experts_TK.shape
+    rank_TK = group_ranks(experts_TK.T.reshape(-1), E).reshape(K, T).T
+    slot_TK = jnp.where(rank_TK < C, experts_TK * C + rank_TK, E * C)
+    return slot_TK.reshape(-1), jnp.sum(rank_TK >= C, dtype=jnp.int32)
+
+
+def capacity_ffn(x_TD: jax.Array, experts_TK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+                 down_EFD: jax.Array, *, num_experts: int, C: int,
+                 exchange: Callable[[jax.Array], jax.Array] = lambda a: a) -> tuple[jax.Array, jax.Array]:
+    """Capacity-mode outputs per assignment (A, D) and the count dropped.
+
+    The weights may hold a contiguous 1/P of the `num_experts`; `exchange` then swaps the (P, E/P, C, D) buffer's
+    leading dim between the P holders (an all-to-all) before and after the FFNs.
+    """
+    K = experts_TK.shape[1]
+    E_local, D = gate_EDF.shape[:2]
+    slot_A, dropped = capacity_slots(experts_TK, num_experts, C)
+    x_PECD = dispatch(x_TD, slot_A, K, num_experts * C).reshape(num_experts // E_local, E_local, C, D)
+    out_PECD = exchange(batched_ffn(exchange(x_PECD), gate_EDF, up_EDF, down_EFD))
+    return gather_rows(out_PECD.reshape(num_experts * C, D), slot_A), dropped
+
+
+def expert_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, gate_EDF: jax.Array,
+               up_EDF: jax.Array, down_EFD: jax.Array, *, capacity_factor: float | None,
+               impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """sum_k weights[..., k] * FFN_{experts[..., k]}(x) on one device, and the int32 count of dropped assignments.
+
+    `impl` picks the dropless grouped matmul: "ragged" (`jax.lax.ragged_dot`), "mgpu" (Hopper, bf16, D and F
+    multiples of 128) or "auto" (mgpu where it fits, else ragged).
+    """
+    B, S, D = x_BSD.shape
+    K = experts_BSK.shape[-1]
+    E, _, F = gate_EDF.shape
+    check_impl(impl)
+    x_TD, experts_TK = x_BSD.reshape(B * S, D), experts_BSK.reshape(B * S, K)
+    if capacity_factor is None:
+        matmul = matmul_for(impl, x_BSD.dtype, D, F)
+        token_A = jnp.arange(B * S * K, dtype=jnp.int32) // K
+        out_AD = sorted_ffn(x_TD, token_A, experts_TK.reshape(-1), gate_EDF, up_EDF, down_EFD, matmul)
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        C = capacity(B * S, K, E, capacity_factor)
+        out_AD, dropped = capacity_ffn(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, num_experts=E, C=C)
+    return combine(out_AD, weights_BSK.reshape(B * S, K)).reshape(B, S, D), dropped

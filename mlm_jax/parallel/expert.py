@@ -1,0 +1,119 @@
+"""Expert parallelism: the experts' leading dim split over the mesh axis `expert`, tokens sent to them and back.
+
+Everything runs in one `shard_map`, manual over the axes that split tokens (data, fsdp, expert on the batch dim,
+context on the sequence dim) and over `tensor`; other axes stay automatic, and inside a pipeline stage's
+`shard_map` over `stage` this one nests in it. Each device sorts only its own
+T tokens' assignments and holds E/P experts, P the expert-parallel degree. It ranks its T*K assignments by
+destination (rank expert // (E/P)), packs one buffer per destination, swaps them with `all_to_all` over `expert`,
+runs its local experts on what it received with `layers.experts`, swaps the outputs back, and weights and sums
+over K. `tensor` is manual so that each rank runs the (non-partitionable) grouped-matmul kernel on its own slice
+of F, and the partial sums are reduced once, on the (T, D) output, rather than on every expert row.
+
+- Dropless: each destination's buffer has room for all T*K assignments, the worst case (every token choosing
+  that rank's experts), so nothing is ever dropped and shapes stay static, at the price of buffers (and the
+  grouped matmuls' rows) P times the average load. Received rows carry their local expert id, padding rows the
+  id E/P, which sorts them past every group of the grouped matmul: they are computed by no expert and return
+  zero. (`jax.lax.ragged_all_to_all` would send only the filled rows on GPU; it is not used here.)
+- Capacity: expert e has C = ceil(T*K/E * c) slots for each source, filled with the same first-choices-first
+  rule as on one device, so the per-source buffer (E, C) splits into P equal per-destination parts.
+
+Shapes: B batch, S sequence, T tokens per device, D model, F expert ffn, E experts (global), K experts per
+token, A = T*K assignments, P expert-parallel ranks, R = P*A received rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from mlm_jax.layers import experts as ex
+from mlm_jax.parallel.rules import DATA_AXES
+
+EXPERT = "expert"
+TENSOR = "tensor"
+SEQ = "context"
+
+
+def _exchange(a: jax.Array) -> jax.Array:
+    """Part p of the leading dim goes to expert rank p; part p of the result came from rank p."""
+    return jax.lax.all_to_all(a, EXPERT, 0, 0)
+
+
+def _dropless(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, *, P: int, matmul: ex.GroupedMatmul) -> jax.Array:
+    """Dropless outputs per assignment (A, D): worst-case (P, A) buffers, a grouped matmul over the R rows."""
+    T, K = experts_TK.shape
+    A, D, E_local = T * K, x_TD.shape[1], gate_EDF.shape[0]
+    experts_A = experts_TK.reshape(-1)
+    dest_A = experts_A // E_local
+    slot_A = dest_A * A + ex.group_ranks(dest_A, P)
+    local_N = jnp.full(P * A, E_local, jnp.int32).at[slot_A].set(experts_A % E_local)
+    x_RD = _exchange(ex.dispatch(x_TD, slot_A, K, P * A).reshape(P, A, D)).reshape(P * A, D)
+    local_R = _exchange(local_N.reshape(P, A)).reshape(P * A)
+    rows_R = jnp.arange(P * A, dtype=jnp.int32)
+    out_RD = ex.sorted_ffn(x_RD, rows_R, local_R, gate_EDF, up_EDF, down_EFD, matmul)
+    return _exchange(out_RD.reshape(P, A, D)).reshape(P * A, D)[slot_A]
+
+
+def expert_parallel_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, gate_EDF: jax.Array,
+                        up_EDF: jax.Array, down_EFD: jax.Array, *, mesh: Mesh | AbstractMesh,
+                        capacity_factor: float | None, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """`layers.experts.expert_ffn` on global arrays inside `jit`, with the experts split over `expert` (E % P == 0),
+    their F dim over `tensor`, and tokens over the data axes (data, fsdp, expert) and `context`.
+
+    Returns y and the global count of dropped assignments. Capacities count each device's own tokens.
+    """
+    ex.check_impl(impl)
+    context, first = jax.sharding.get_abstract_mesh(), 0
+    if not context.empty and context.manual_axes:  # inside another shard_map (pipeline stages): nest in its mesh
+        mesh, first = context, 1 + max(context.axis_names.index(a) for a in context.manual_axes)
+    size = dict(mesh.shape)
+    P, tp = size.get(EXPERT, 1), size.get(TENSOR, 1)
+    E, D, F = gate_EDF.shape
+    if E % P:
+        raise ValueError(f"{E} experts cannot be split over expert-parallel degree {P}")
+    if F % tp:
+        raise ValueError(f"expert ffn dim {F} cannot be split over tensor-parallel degree {tp}")
+    # jax 0.11 aborts on nested manual axes that precede the outer ones in mesh order ("Manual axes must be
+    # sorted"): those (data, inside pipeline stages) stay automatic, at the price of resharding the tokens.
+    token_axes = tuple(a for a in (*DATA_AXES, SEQ) if size.get(a, 1) > 1 and mesh.axis_names.index(a) >= first)
+    if not token_axes and tp == 1:
+        return ex.expert_ffn(x_BSD, experts_BSK, weights_BSK, gate_EDF, up_EDF, down_EFD,
+                             capacity_factor=capacity_factor, impl=impl)
+    batch_axes = tuple(a for a in token_axes if a != SEQ) or None
+    tokens = PartitionSpec(batch_axes, SEQ if SEQ in token_axes else None)
+    e_axis, f_axis = EXPERT if P > 1 else None, TENSOR if tp > 1 else None
+    in_EDF, in_EFD = PartitionSpec(e_axis, None, f_axis), PartitionSpec(e_axis, f_axis, None)
+
+    def local(x_BSD, experts_BSK, weights_BSK, gate_EDF, up_EDF, down_EFD):
+        if P == 1:
+            y_BSD, dropped = ex.expert_ffn(x_BSD, experts_BSK, weights_BSK, gate_EDF, up_EDF, down_EFD,
+                                           capacity_factor=capacity_factor, impl=impl)
+        else:
+            y_BSD, dropped = _expert_parallel(x_BSD, experts_BSK, weights_BSK, gate_EDF, up_EDF, down_EFD,
+                                              P=P, E=E, capacity_factor=capacity_factor, impl=impl)
+        if f_axis:  # each tensor rank summed over its slice of F only
+            y_BSD = jax.lax.psum(y_BSD, f_axis)
+        if capacity_factor is not None and token_axes:
+            dropped = jax.lax.psum(dropped, token_axes)
+        return y_BSD, dropped
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, in_EDF, in_EDF, in_EFD),
+                         out_specs=(tokens, PartitionSpec()), axis_names={*token_axes, *([f_axis] if f_axis else [])},
+                         check_vma=False)(x_BSD, experts_BSK, weights_BSK, gate_EDF, up_EDF, down_EFD)
+
+
+def _expert_parallel(x_BSD, experts_BSK, weights_BSK, gate_EDF, up_EDF, down_EFD, *, P: int, E: int,
+                     capacity_factor: float | None, impl: str) -> tuple[jax.Array, jax.Array]:
+    """One device's part: its tokens through all E experts, of which it holds E/P."""
+    B, S, D = x_BSD.shape
+    K = experts_BSK.shape[-1]
+    x_TD, experts_TK = x_BSD.reshape(B * S, D), experts_BSK.reshape(B * S, K)
+    if capacity_factor is None:
+        matmul = ex.matmul_for(impl, x_BSD.dtype, D, gate_EDF.shape[-1])
+        out_AD = _dropless(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, P=P, matmul=matmul)
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        C = ex.capacity(B * S, K, E, capacity_factor)
+        out_AD, dropped = ex.capacity_ffn(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, num_experts=E, C=C,
+                                          exchange=_exchange)
+    return ex.combine(out_AD, weights_BSK.reshape(B * S, K)).reshape(B, S, D), dropped
