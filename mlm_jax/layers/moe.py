@@ -23,6 +23,7 @@ from flax import nnx
 
 from mlm_jax.config import MoEConfig
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers.experts import expert_ffn
 from mlm_jax.layers.linear import param
 from mlm_jax.layers.mlp import MLP
 
@@ -91,7 +92,6 @@ class MoE(nnx.Module):
         m = self.c.moe
         experts_BSK, weights_BSK, stats = self.route(x_BSD)
         w = self.experts
-        from mlm_jax.layers.experts import expert_ffn  # TEMP until experts.py lands
         run = ax.kernel(ax.EXPERT_FFN) or expert_ffn
         y_BSD, dropped = run(x_BSD.astype(self.dtype), experts_BSK, weights_BSK.astype(self.dtype),
                              w.gate[...].astype(self.dtype), w.up[...].astype(self.dtype),

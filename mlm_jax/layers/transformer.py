@@ -96,7 +96,8 @@ class Transformer(nnx.Module):
             _, state = nnx.split(stack)
             run = jax.tree.map(lambda w: w[start:start + count], state) if len(self.runs) > 1 else None
             x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, run, dense=dense)
-            stats.append(run_stats)
+            if not dense:
+                stats.append(run_stats)
         stats = jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if len(stats) > 1 else stats[0]
         return self.logits(x_BSD), stats
 

@@ -3,7 +3,8 @@
 Context parallelism replaces attention with `context.context_attention` and permutes every batch once into the
 load-balanced order (rank r holds chunks r and 2*cp-1-r), with the RoPE positions travelling with the tokens; the
 loss is a mean over tokens, so the permutation leaves it unchanged. Expert parallelism replaces the experts'
-computation with `expert.expert_parallel_ffn`.
+computation with `expert.expert_parallel_ffn` whenever tokens are split over devices (with `expert` = 1 too: each
+device then sorts and multiplies only its own tokens, and the Hopper grouped GEMM is never partitioned by XLA).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from jax.sharding import Mesh
 
 from mlm_jax.config import Config
 from mlm_jax.layers import axes as ax
+from mlm_jax.parallel.context import context_attention, load_balance_order
+from mlm_jax.parallel.expert import expert_parallel_ffn
 
 
 def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int]) -> tuple[dict[str, Callable], Callable | None]:
@@ -22,12 +25,10 @@ def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int]) -> tuple[
     kernels, prepare = {}, None
     cp = degrees["context"]
     if cp > 1:
-        from mlm_jax.parallel.context import context_attention, load_balance_order  # TEMP
         kernels[ax.ATTENTION] = functools.partial(context_attention, mesh=mesh,
                                                   strategy=cfg.parallel.context_strategy)
         prepare = functools.partial(load_balance, perm=jnp.asarray(load_balance_order(cfg.train.seq_len, cp)))
-    if degrees["expert"] > 1 and cfg.model.moe.enabled:
-        from mlm_jax.parallel.expert import expert_parallel_ffn  # TEMP
+    if cfg.model.moe.enabled and any(degrees[a] > 1 for a in ("data", "fsdp", "context", "expert", "tensor")):
         kernels[ax.EXPERT_FFN] = functools.partial(expert_parallel_ffn, mesh=mesh)
     return kernels, prepare
 

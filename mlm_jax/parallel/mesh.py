@@ -100,6 +100,10 @@ def _check_layout(cfg: Config, d: dict[str, int]) -> None:
     if cp > 1 and t.seq_len % (2 * cp):
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2 x parallel.context={cp} (causal load "
                           f"balancing cuts the sequence into 2 x context chunks)")
+    if cp > 1 and P > 1 and cfg.parallel.context_strategy == "ring":
+        raise ConfigError("parallel.context_strategy=ring cannot run inside pipeline stages (parallel.stage > 1): "
+                          "its collective-permutes sit in stage-dependent branches, which XLA's collective-permute "
+                          "rendezvous over all devices cannot serve; use parallel.context_strategy=allgather")
     if cp > 1 and m.attention_impl == "te":
         raise ConfigError("model.attention_impl=te cannot serve parallel.context > 1: context-parallel attention "
                           "runs cudnn (GPU) or xla blocks; use model.attention_impl=auto")

@@ -1,0 +1,149 @@
+"""Mixture-of-experts: routing semantics, global-batch balancing losses, aux-loss-free bias updates, expert
+parallelism against one device (fp32, 3 steps: loss within 1e-5, gradient norm within 1e-4), and bad input."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mlm_jax import Trainer, load_config
+from mlm_jax.config import ConfigError, MoEConfig
+from mlm_jax.layers.moe import MoE, MoELayerConfig
+from mlm_jax.parallel.mesh import resolve_degrees
+
+MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.ffn_size=64", "model.moe.z_loss_coef=1e-3"]
+BASE = ["model.dtype=float32", "model.num_layers=2", "train.steps=3", "train.log_every=1", "train.eval_every=0",
+        "train.global_batch_size=8", "train.seq_len=32", "log.progress=never", "optim.warmup_steps=0",
+        "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none"] + MOE
+
+
+def run(overrides, num_devices, tmp_path):
+    cfg = load_config(None, BASE + [f"train.output_dir={tmp_path}"] + overrides)
+    return Trainer(cfg, devices=jax.devices()[:num_devices]).fit()
+
+
+def losses_and_grad_norms(records):
+    return np.array([[r["loss"], r["grad_norm"]] for r in records])
+
+
+def assert_matches(got, ref):
+    assert got.shape == ref.shape == (3, 2)
+    np.testing.assert_allclose(got[:, 0], ref[:, 0], rtol=1e-5, err_msg="loss")
+    np.testing.assert_allclose(got[:, 1], ref[:, 1], rtol=1e-4, err_msg="grad norm")
+
+
+@pytest.fixture(scope="module")
+def single_device(tmp_path_factory):
+    return run(["parallel.data=1"], 1, tmp_path_factory.mktemp("ref"))
+
+
+# -- routing ----------------------------------------------------------------------------------------------------------
+def layer(**moe):
+    cfg = MoELayerConfig(dim=8, ffn=16, moe=MoEConfig(num_experts=4, top_k=2, **moe))
+    return MoE(cfg, std=0.5, out_std=0.5, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def test_softmax_router_renormalises_the_top_k_of_a_softmax_over_all_experts():
+    moe = layer()
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    experts, weights, stats = moe.route(x)
+    probs = jax.nn.softmax(x @ moe.router.kernel[...], axis=-1)
+    top, idx = jax.lax.top_k(probs, 2)
+    np.testing.assert_array_equal(experts, idx)
+    np.testing.assert_allclose(weights, top / top.sum(-1, keepdims=True), rtol=1e-6)
+    load = np.bincount(np.asarray(idx).ravel(), minlength=4) / idx.size
+    np.testing.assert_allclose(stats["load"], load, rtol=1e-6)
+    np.testing.assert_allclose(stats["aux_loss"], 4 * np.sum(load * np.asarray(probs).mean((0, 1))), rtol=1e-6)
+    np.testing.assert_allclose(stats["z_loss"], np.mean(jax.nn.logsumexp(x @ moe.router.kernel[...], -1) ** 2),
+                               rtol=1e-6)
+
+
+def test_sigmoid_router_bias_steers_the_choice_but_not_the_weights():
+    moe = layer(router="sigmoid", router_bias_update=0.01)
+    x = jax.random.normal(jax.random.key(2), (2, 5, 8))
+    moe.router.bias[...] = jnp.array([0.0, 0.0, 0.0, 10.0])  # expert 3 always chosen
+    experts, weights, _ = moe.route(x)
+    assert np.all(np.any(np.asarray(experts) == 3, axis=-1))
+    scores = jax.nn.sigmoid(x @ moe.router.kernel[...])
+    chosen = jnp.take_along_axis(scores, experts, -1)
+    np.testing.assert_allclose(weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-6)
+    graphdef, state = nnx.split(moe)
+    grads = jax.grad(lambda st: jnp.sum(nnx.merge(graphdef, st).route(x)[1] * jnp.arange(2.0)))(state)
+    assert np.all(np.asarray(grads["router"]["bias"][...]) == 0)
+    assert np.any(np.asarray(grads["router"]["kernel"][...]) != 0)
+
+
+def test_layer_output_matches_a_per_token_loop():
+    moe = layer(shared_experts=1)
+    x = jax.random.normal(jax.random.key(3), (2, 3, 8))
+    y, _ = moe(x)
+    experts, weights, _ = moe.route(x)
+    w = moe.experts
+    expected = np.zeros((2, 3, 8), np.float32)
+    for b in range(2):
+        for s in range(3):
+            for k in range(2):
+                e = int(experts[b, s, k])
+                h = jax.nn.silu(x[b, s] @ w.gate[e]) * (x[b, s] @ w.up[e])
+                expected[b, s] += float(weights[b, s, k]) * np.asarray(h @ w.down[e])
+    expected += np.asarray(moe.shared(x))
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+
+
+# -- training and expert parallelism ----------------------------------------------------------------------------------
+def test_moe_trains_and_logs_its_statistics(single_device):
+    rec = single_device[-1]
+    assert single_device[-1]["loss"] < single_device[0]["loss"]
+    assert rec["moe_aux_loss"] > 0
+    assert rec["moe_z_loss"] > 0
+    assert len(rec["moe_load_max_mean"]) == 2 and min(rec["moe_load_max_mean"]) >= 1.0
+    assert rec["moe_dropped"] == [0.0, 0.0]
+    json.dumps(rec)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["parallel.expert=2", "parallel.data=4"], id="expert2"),
+    pytest.param(["parallel.expert=4", "parallel.data=2"], id="expert4"),
+    pytest.param(["parallel.expert=8", "parallel.data=1"], id="expert8"),
+    pytest.param(["parallel.expert=4", "parallel.tensor=2", "parallel.data=1"], id="expert4-tensor2"),
+])
+def test_expert_parallel_dropless_matches_single_device(layout, single_device, tmp_path):
+    assert_matches(losses_and_grad_norms(run(layout, 8, tmp_path)), losses_and_grad_norms(single_device))
+
+
+def test_capacity_mode_without_drops_equals_dropless(single_device, tmp_path):
+    records = run(["parallel.expert=4", "parallel.data=2", "model.moe.capacity_factor=8.0"], 8, tmp_path)
+    assert all(d == 0 for r in records for d in r["moe_dropped"])
+    assert_matches(losses_and_grad_norms(records), losses_and_grad_norms(single_device))
+
+
+def test_small_capacity_drops_tokens_and_says_so(tmp_path):
+    records = run(["parallel.data=1", "model.moe.capacity_factor=0.5"], 1, tmp_path)
+    assert all(d >= 0.5 - 1e-6 for d in records[0]["moe_dropped"])  # capacity holds half the assignments
+
+
+def test_deepseek_style_model_with_dense_layers_and_bias_updates_trains(tmp_path):
+    overrides = ["parallel.data=2", "parallel.expert=2", "model.num_layers=3", "model.moe.router=sigmoid",
+                 "model.moe.router_bias_update=0.01", "model.moe.aux_loss_coef=0", "model.moe.shared_experts=1",
+                 "model.moe.first_dense_layers=1", "model.moe.every_n_layers=1", "model.scan_layers=false"]
+    cfg = load_config(None, BASE + [f"train.output_dir={tmp_path}"] + overrides)
+    trainer = Trainer(cfg, devices=jax.devices()[:4])
+    records = trainer.fit()
+    assert len(records[-1]["moe_load_max_mean"]) == 2
+    bias = np.asarray(trainer.state.params["blocks"]["moe"]["router"]["bias"])
+    assert bias.shape == (2, 8) and np.all(np.abs(bias) > 0)  # moved every step, by +-0.01
+    assert "mlp" in trainer.state.params["dense_blocks"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.expert=3", "parallel.data=1"], "model.moe.num_experts=8 is not divisible by parallel.expert=3"),
+    (["model.moe.top_k=9"], "model.moe.top_k=9 exceeds model.moe.num_experts=8"),
+    (["parallel.stage=2", "parallel.data=4"], "do not run in the pipeline"),
+    (["model.moe.router_bias_update=0.1"], "needs model.moe.router=sigmoid"),
+    (["model.moe.capacity_factor=0"], "must be positive"),
+], ids=["experts-by-ep", "top-k", "pipeline", "bias-without-sigmoid", "capacity"])
+def test_bad_moe_settings_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_degrees(load_config(None, BASE + overrides), 8 if "expert=3" not in overrides[0] else 3)
