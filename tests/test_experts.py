@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mlm_jax.layers.experts import expert_ffn, grouped_matmul, sorted_ffn
+from mlm_jax.layers.experts import dropless_ffn, expert_ffn, grouped_matmul, sorted_ffn
 from mlm_jax.parallel.expert import expert_parallel_ffn
 from mlm_jax.parallel.mesh import build_mesh
 from mlm_jax.parallel.rules import DATA_AXES, MESH_AXES
@@ -145,6 +145,30 @@ def test_grouped_matmul_custom_vjp_matches_autodiff():
     (_, out_ref), grads_ref = grad(diff, jax.lax.ragged_dot)
     np.testing.assert_allclose(out, out_ref, **TOL)
     assert not np.any(out[-8:])
+    assert_same(grads, grads_ref)
+
+
+def test_local_dropless_path_with_unpadded_custom_vjp_matches_the_reference():
+    """The single-device dropless path (gather/permute with gather-only gradients, grouped matmuls without a
+    padding mask) against the per-token reference, values and gradients."""
+    inputs, cotangent = make_inputs(B=2, E=4)
+    custom = grouped_matmul(jax.lax.ragged_dot, _ragged_t, _ragged_wgrad, padded=False)
+    B = inputs["x_BSD"].shape[0]
+
+    def loss(diff):
+        x_TD, experts_TK = diff["x_BSD"].reshape(-1, D), inputs["experts_BSK"].reshape(-1, K)
+        out_AD = dropless_ffn(x_TD, experts_TK, diff["gate_EDF"], diff["up_EDF"], diff["down_EFD"], custom)
+        y = jnp.einsum("tkd,tk->td", out_AD.reshape(-1, K, D), diff["weights_BSK"].reshape(-1, K))
+        return jnp.sum(y.reshape(B, S, D) * cotangent)
+
+    def ref_loss(diff):
+        return jnp.sum(reference(diff["x_BSD"], inputs["experts_BSK"], diff["weights_BSK"], diff["gate_EDF"],
+                                 diff["up_EDF"], diff["down_EFD"]) * cotangent)
+
+    diff = {k: v for k, v in inputs.items() if k != "experts_BSK"}
+    value, grads = jax.jit(jax.value_and_grad(loss))(diff)
+    value_ref, grads_ref = jax.jit(jax.value_and_grad(ref_loss))(diff)
+    np.testing.assert_allclose(value, value_ref, **TOL)
     assert_same(grads, grads_ref)
 
 

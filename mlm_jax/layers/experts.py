@@ -31,18 +31,21 @@ import jax.numpy as jnp
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs_RK, rhs_GKN, sizes_G) -> out_RN
 IMPLS = ("auto", "ragged", "mgpu")
-_MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+_MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4)
 
 
 def grouped_matmul(matmul: GroupedMatmul, matmul_t: GroupedMatmul,
-                   wgrad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]) -> GroupedMatmul:
+                   wgrad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array], padded: bool = True) -> GroupedMatmul:
     """A differentiable grouped matmul with `jax.lax.ragged_dot`'s meaning, from three kernels without autodiff.
 
     matmul(lhs_RK, rhs_GKN, sizes_G) -> RN; matmul_t(lhs_RN, rhs_GKN, sizes_G) -> RK contracts rhs' N;
-    wgrad(lhs_RK, rhs_RN, sizes_G) -> GKN sums each group's rows. Rows past the last group are zero in the
-    output and in d_lhs, and never reach d_rhs: kernels may leave them undefined.
+    wgrad(lhs_RK, rhs_RN, sizes_G) -> GKN sums each group's rows. With `padded`, rows past the last group are
+    zero in the output and in d_lhs, and never reach d_rhs (kernels may leave them undefined); without, the groups
+    must cover every row, and no masking pass is spent.
     """
     def valid(x_RX, sizes_G):
+        if not padded:
+            return x_RX
         return jnp.where((jnp.arange(x_RX.shape[0]) < sizes_G.sum())[:, None], x_RX, 0)
 
     @jax.custom_vjp
@@ -63,14 +66,19 @@ def grouped_matmul(matmul: GroupedMatmul, matmul_t: GroupedMatmul,
 
 
 @functools.cache
-def _mgpu_matmul() -> GroupedMatmul:
-    """Hopper kernels (Pallas Mosaic GPU); imported here since they load only where Mosaic GPU is built."""
+def _mgpu_matmul(padded: bool) -> GroupedMatmul:
+    """Hopper kernels (Pallas Mosaic GPU); imported here since they load only where Mosaic GPU is built.
+
+    Each kernel is jitted so that the layers of an unrolled model share one lowering of it (lowering a Mosaic
+    kernel is slow); the block sizes won a sweep on moe-1b's shapes on an H200 (590-650 TFLOP/s; grid_block_n=1
+    ran at about 250).
+    """
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
     from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
     return grouped_matmul(
-        lambda x, w, sizes: ragged_dot(x, w, group_sizes=sizes, **_MGPU_BLOCKS),
-        lambda dy, w, sizes: ragged_dot(dy, w, group_sizes=sizes, transpose_rhs=True, **_MGPU_BLOCKS),
-        lambda x, dy, sizes: transposed_ragged_dot(x, dy, group_sizes=sizes, **_MGPU_BLOCKS))
+        jax.jit(lambda x, w, sizes: ragged_dot(x, w, group_sizes=sizes, **_MGPU_BLOCKS)),
+        jax.jit(lambda dy, w, sizes: ragged_dot(dy, w, group_sizes=sizes, transpose_rhs=True, **_MGPU_BLOCKS)),
+        jax.jit(lambda x, dy, sizes: transposed_ragged_dot(x, dy, group_sizes=sizes, **_MGPU_BLOCKS)), padded)
 
 
 def _mgpu_fits(dtype, D: int, F: int) -> bool:
@@ -85,17 +93,18 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"expert impl={impl!r}: expected one of {', '.join(IMPLS)}")
 
 
-def matmul_for(impl: str, dtype, D: int, F: int) -> GroupedMatmul:
-    """The grouped matmul `impl` names; "auto" takes the Mosaic-GPU kernels where they fit and import."""
+def matmul_for(impl: str, dtype, D: int, F: int, padded: bool = True) -> GroupedMatmul:
+    """The grouped matmul `impl` names; "auto" takes the Mosaic-GPU kernels where they fit and import.
+    `padded`: some rows belong to no group (see `grouped_matmul`)."""
     check_impl(impl)
     if impl == "mgpu":
         if dtype != jnp.bfloat16 or D % 128 or F % 128:
             raise ValueError(f"expert impl='mgpu' needs bf16 and model/ffn dims divisible by 128, got {dtype}, "
                              f"D={D}, F={F}")
-        return _mgpu_matmul()
+        return _mgpu_matmul(padded)
     if impl == "auto" and _mgpu_fits(dtype, D, F):
         try:
-            return _mgpu_matmul()
+            return _mgpu_matmul(padded)
         except ImportError:
             pass
     return jax.lax.ragged_dot
@@ -145,6 +154,50 @@ def sorted_ffn(x_ND: jax.Array, rows_R: jax.Array, experts_R: jax.Array, gate_ED
     out_RD = matmul(h_RF, down_EFD, sizes_E)
     inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=order_R.dtype))
     return out_RD[inverse_R]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _take_tokens(x_TD: jax.Array, token_A: jax.Array, slot_TK: jax.Array, K: int) -> jax.Array:
+    """x_TD[token_A], where every token fills K rows and slot_TK[t, k] is the row of its k-th copy.
+
+    Autodiff of the gather would scatter-add the rows' gradients; knowing where each token's copies went turns
+    that into a gather and a sum over K, which a GPU runs several times faster.
+    """
+    return jnp.take(x_TD, token_A, axis=0)
+
+
+def _take_tokens_fwd(x_TD, token_A, slot_TK, K):
+    return _take_tokens(x_TD, token_A, slot_TK, K), slot_TK
+
+
+def _take_tokens_bwd(K, slot_TK, d_AD):
+    return jnp.sum(jnp.take(d_AD, slot_TK, axis=0), axis=1).astype(d_AD.dtype), None, None
+
+
+_take_tokens.defvjp(_take_tokens_fwd, _take_tokens_bwd)
+
+
+@jax.custom_vjp
+def _permute_rows(x_RD: jax.Array, order_R: jax.Array, inverse_R: jax.Array) -> jax.Array:
+    """x_RD[order_R] for a permutation; its gradient is the gather by the inverse permutation, not a scatter."""
+    return jnp.take(x_RD, order_R, axis=0)
+
+
+_permute_rows.defvjp(lambda x, o, i: (jnp.take(x, o, axis=0), (o, i)),
+                     lambda res, d: (jnp.take(d, res[1], axis=0), None, None))
+
+
+def dropless_ffn(x_TD: jax.Array, experts_TK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+                 down_EFD: jax.Array, matmul: GroupedMatmul) -> jax.Array:
+    """Every assignment's FFN output (A, D), assignment t*K + k at row t*K + k; no row is padding."""
+    T, K = experts_TK.shape
+    experts_A = experts_TK.reshape(-1)
+    order_A = jnp.argsort(experts_A, stable=True)  # sorted row -> assignment
+    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(T * K, dtype=order_A.dtype))
+    sizes_E = jnp.zeros(gate_EDF.shape[0], jnp.int32).at[experts_A].add(1)
+    x_AD = _take_tokens(x_TD, order_A // K, inverse_A.reshape(T, K), K)
+    h_AF = jax.nn.silu(matmul(x_AD, gate_EDF, sizes_E)) * matmul(x_AD, up_EDF, sizes_E)
+    return _permute_rows(matmul(h_AF, down_EFD, sizes_E), inverse_A, order_A)
 
 
 def batched_ffn(x_PECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
@@ -200,9 +253,8 @@ def expert_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array,
     check_impl(impl)
     x_TD, experts_TK = x_BSD.reshape(B * S, D), experts_BSK.reshape(B * S, K)
     if capacity_factor is None:
-        matmul = matmul_for(impl, x_BSD.dtype, D, F)
-        token_A = jnp.arange(B * S * K, dtype=jnp.int32) // K
-        out_AD = sorted_ffn(x_TD, token_A, experts_TK.reshape(-1), gate_EDF, up_EDF, down_EFD, matmul)
+        matmul = matmul_for(impl, x_BSD.dtype, D, F, padded=False)
+        out_AD = dropless_ffn(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, matmul)
         dropped = jnp.zeros((), jnp.int32)
     else:
         C = capacity(B * S, K, E, capacity_factor)
