@@ -45,6 +45,14 @@ CASES = [
     case("unknown-flag", ["--bogus"], ["--bogus"]),
     case("global-batch-below-dp", ["train.global_batch_size=4"], ["train.global_batch_size=4"]),
     case("non-utf8-yaml", ["--config", "{tmp}/binary.yaml"], ["--config {tmp}/binary.yaml", "UTF-8"]),
+    case("experts-by-expert-degree", ["model.moe.num_experts=6", "parallel.expert=4", "parallel.data=2"],
+         ["model.moe.num_experts=6", "parallel.expert=4"]),
+    case("top-k-above-experts", ["model.moe.num_experts=4", "model.moe.top_k=5"],
+         ["model.moe.top_k=5", "model.moe.num_experts=4"]),
+    case("seq-len-by-2-context", ["parallel.context=4", "parallel.data=2", "train.seq_len=36"],
+         ["train.seq_len=36", "2 x parallel.context=4"]),
+    case("attention-context-cannot-serve", ["parallel.context=2", "parallel.data=4", "model.attention_impl=te"],
+         ["model.attention_impl=te", "parallel.context"]),
 ]
 
 
