@@ -139,47 +139,14 @@ def combine(out_AD: jax.Array, weights_TK: jax.Array) -> jax.Array:
     return jnp.einsum("tkd,tk->td", out_AD.reshape(T, K, -1), weights_TK.astype(out_AD.dtype))
 
 
-def sorted_ffn(x_ND: jax.Array, rows_R: jax.Array, experts_R: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
-               down_EFD: jax.Array, matmul: GroupedMatmul) -> jax.Array:
-    """out[r] = FFN_{experts_R[r]}(x_ND[rows_R[r]]), zero where experts_R[r] >= E (padding rows).
-
-    The rows are sorted by expert so each expert's rows form one group of the grouped matmuls; padding rows sort
-    past every group, where the matmul leaves them zero.
-    """
-    E = gate_EDF.shape[0]
-    order_R = jnp.argsort(experts_R, stable=True)
-    sizes_E = jnp.zeros(E, jnp.int32).at[experts_R].add(1, mode="drop")
-    x_RD = gather_rows(x_ND, rows_R[order_R])
-    h_RF = jax.nn.silu(matmul(x_RD, gate_EDF, sizes_E)) * matmul(x_RD, up_EDF, sizes_E)
-    out_RD = matmul(h_RF, down_EFD, sizes_E)
-    inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=order_R.dtype))
-    return out_RD[inverse_R]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _take_tokens(x_TD: jax.Array, token_A: jax.Array, slot_TK: jax.Array, K: int) -> jax.Array:
-    """x_TD[token_A], where every token fills K rows and slot_TK[t, k] is the row of its k-th copy.
-
-    Autodiff of the gather would scatter-add the rows' gradients; knowing where each token's copies went turns
-    that into a gather and a sum over K, which a GPU runs several times faster.
-    """
-    return jnp.take(x_TD, token_A, axis=0)
-
-
-def _take_tokens_fwd(x_TD, token_A, slot_TK, K):
-    return _take_tokens(x_TD, token_A, slot_TK, K), slot_TK
-
-
-def _take_tokens_bwd(K, slot_TK, d_AD):
-    return jnp.sum(jnp.take(d_AD, slot_TK, axis=0), axis=1).astype(d_AD.dtype), None, None
-
-
-_take_tokens.defvjp(_take_tokens_fwd, _take_tokens_bwd)
+def _inverse(order_R: jax.Array) -> jax.Array:
+    return jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=order_R.dtype))
 
 
 @jax.custom_vjp
 def _permute_rows(x_RD: jax.Array, order_R: jax.Array, inverse_R: jax.Array) -> jax.Array:
-    """x_RD[order_R] for a permutation; its gradient is the gather by the inverse permutation, not a scatter."""
+    """x_RD[order_R] for a permutation; its gradient is the gather by the inverse permutation, not a scatter-add,
+    which a GPU runs several times faster."""
     return jnp.take(x_RD, order_R, axis=0)
 
 
@@ -187,17 +154,49 @@ _permute_rows.defvjp(lambda x, o, i: (jnp.take(x, o, axis=0), (o, i)),
                      lambda res, d: (jnp.take(d, res[1], axis=0), None, None))
 
 
+@jax.custom_vjp
+def _take_tokens(x_TD: jax.Array, token_A: jax.Array, copies_TK: jax.Array) -> jax.Array:
+    """x_TD[token_A], where every token fills K rows and copies_TK[t, k] is the row of its k-th copy: the gradient
+    is then a gather and a sum over K rather than a scatter-add."""
+    return jnp.take(x_TD, token_A, axis=0)
+
+
+_take_tokens.defvjp(lambda x, t, c: (jnp.take(x, t, axis=0), c),
+                    lambda copies_TK, d_AD: (jnp.sum(jnp.take(d_AD, copies_TK, axis=0), axis=1), None, None))
+
+
+def _grouped_swiglu(x_RD: jax.Array, sizes_E: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+                    down_EFD: jax.Array, matmul: GroupedMatmul) -> jax.Array:
+    """Each expert's SwiGLU on its group of the expert-sorted rows."""
+    h_RF = jax.nn.silu(matmul(x_RD, gate_EDF, sizes_E)) * matmul(x_RD, up_EDF, sizes_E)
+    return matmul(h_RF, down_EFD, sizes_E)
+
+
+def sorted_ffn(x_ND: jax.Array, rows_R: jax.Array, experts_R: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
+               down_EFD: jax.Array, matmul: GroupedMatmul) -> jax.Array:
+    """out[r] = FFN_{experts_R[r]}(x_ND[rows_R[r]]), zero where experts_R[r] >= E (padding rows).
+
+    The rows are sorted by expert so each expert's rows form one group of the grouped matmuls; padding rows sort
+    past every group, where the matmul leaves them zero.
+    """
+    order_R = jnp.argsort(experts_R, stable=True)
+    sizes_E = jnp.zeros(gate_EDF.shape[0], jnp.int32).at[experts_R].add(1, mode="drop")
+    out_RD = _grouped_swiglu(gather_rows(x_ND, rows_R[order_R]), sizes_E, gate_EDF, up_EDF, down_EFD, matmul)
+    return _permute_rows(out_RD, _inverse(order_R), order_R)
+
+
 def dropless_ffn(x_TD: jax.Array, experts_TK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
                  down_EFD: jax.Array, matmul: GroupedMatmul) -> jax.Array:
-    """Every assignment's FFN output (A, D), assignment t*K + k at row t*K + k; no row is padding."""
+    """Every assignment's FFN output (A, D), assignment t*K + k at row t*K + k; no row is padding, so the token
+    rows are taken and put back with gather-only gradients."""
     T, K = experts_TK.shape
     experts_A = experts_TK.reshape(-1)
     order_A = jnp.argsort(experts_A, stable=True)  # sorted row -> assignment
-    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(T * K, dtype=order_A.dtype))
+    inverse_A = _inverse(order_A)
     sizes_E = jnp.zeros(gate_EDF.shape[0], jnp.int32).at[experts_A].add(1)
-    x_AD = _take_tokens(x_TD, order_A // K, inverse_A.reshape(T, K), K)
-    h_AF = jax.nn.silu(matmul(x_AD, gate_EDF, sizes_E)) * matmul(x_AD, up_EDF, sizes_E)
-    return _permute_rows(matmul(h_AF, down_EFD, sizes_E), inverse_A, order_A)
+    x_AD = _take_tokens(x_TD, order_A // K, inverse_A.reshape(T, K))
+    out_AD = _grouped_swiglu(x_AD, sizes_E, gate_EDF, up_EDF, down_EFD, matmul)
+    return _permute_rows(out_AD, inverse_A, order_A)
 
 
 def batched_ffn(x_PECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_EFD: jax.Array) -> jax.Array:
