@@ -92,9 +92,10 @@ class Transformer(nnx.Module):
             x_BSD = self.embed(tokens_BS)
         stats = []
         for dense, start, count in self.runs:
-            stack = self.dense_blocks if dense else self.blocks
-            _, state = nnx.split(stack)
-            run = jax.tree.map(lambda w: w[start:start + count], state) if len(self.runs) > 1 else None
+            run = None  # the whole stack
+            if len(self.runs) > 1:
+                run = jax.tree.map(lambda w: w[start:start + count],
+                                   nnx.state(self.dense_blocks if dense else self.blocks))
             x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, run, dense=dense)
             if not dense:
                 stats.append(run_stats)

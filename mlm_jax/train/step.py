@@ -89,18 +89,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: 
 
         micro = jax.tree.map(split, batch)
 
-        def body(carry, a):
-            metrics_sum, grad_sum = carry
+        def body(grad_sum, a):
             mb = jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
             metrics, grads = grads_of(params, mb)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-            return (jax.tree.map(jnp.add, metrics_sum, metrics), to_master(grad_sum)), None
+            return to_master(grad_sum), metrics
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        metric_shapes = jax.eval_shape(lambda: grads_of(params, jax.tree.map(lambda x: x[:, 0], micro))[0])
-        zero_metrics = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes)
-        (metrics_sum, grad_sum), _ = jax.lax.scan(body, (zero_metrics, to_master(zeros)), jnp.arange(accum_steps))
-        return (jax.tree.map(lambda m: m / accum_steps, metrics_sum),
+        grad_sum, metrics_A = jax.lax.scan(body, to_master(zeros), jnp.arange(accum_steps))
+        return (jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A),
                 jax.tree.map(lambda g: g / accum_steps, grad_sum))
 
     def step(state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
