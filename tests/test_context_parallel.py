@@ -1,11 +1,10 @@
 """Context parallelism computes the same function as one device: both strategies, cp = 2, 4, 8, and composed with
 data + tensor + sequence parallelism and with pipeline stages. fp32, 3 steps of AdamW: loss within 1e-5, gradient
 norm within 1e-4 relative."""
-import jax
-import numpy as np
 import pytest
 
-from mlm_jax import Trainer, load_config
+from layouts import assert_matches, fit, losses_and_grad_norms
+from mlm_jax import load_config
 from mlm_jax.config import ConfigError
 from mlm_jax.parallel.mesh import resolve_degrees
 
@@ -14,40 +13,28 @@ BASE = ["model.dtype=float32", "model.num_kv_heads=2", "train.steps=3", "train.l
         "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none"]
 
 
-def losses_and_grad_norms(overrides, num_devices, tmp_path):
-    cfg = load_config(None, BASE + [f"train.output_dir={tmp_path}"] + overrides)
-    records = Trainer(cfg, devices=jax.devices()[:num_devices]).fit()
-    return np.array([[r["loss"], r["grad_norm"]] for r in records])
-
-
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
-    return losses_and_grad_norms(["parallel.data=1"], 1, tmp_path_factory.mktemp("ref"))
-
-
-def assert_matches(got, ref):
-    assert got.shape == ref.shape == (3, 2)
-    np.testing.assert_allclose(got[:, 0], ref[:, 0], rtol=1e-5, err_msg="loss")
-    np.testing.assert_allclose(got[:, 1], ref[:, 1], rtol=1e-4, err_msg="grad norm")
+    return losses_and_grad_norms(fit(BASE, ["parallel.data=1"], 1, tmp_path_factory.mktemp("ref")))
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_context_parallel_matches_single_device(cp, strategy, single_device, tmp_path):
     layout = [f"parallel.context={cp}", f"parallel.data={8 // cp}", f"parallel.context_strategy={strategy}"]
-    assert_matches(losses_and_grad_norms(layout, 8, tmp_path), single_device)
+    assert_matches(losses_and_grad_norms(fit(BASE, layout, 8, tmp_path)), single_device)
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])
 def test_context2_tensor2_data2_sequence_parallel_matches_single_device(strategy, single_device, tmp_path):
     layout = ["parallel.context=2", "parallel.tensor=2", "parallel.data=2", "parallel.sequence_parallel=true",
               f"parallel.context_strategy={strategy}"]
-    assert_matches(losses_and_grad_norms(layout, 8, tmp_path), single_device)
+    assert_matches(losses_and_grad_norms(fit(BASE, layout, 8, tmp_path)), single_device)
 
 
 def test_context2_with_pipeline_stages_matches_single_device(single_device, tmp_path):
     layout = ["parallel.context=2", "parallel.stage=2", "parallel.data=2", "parallel.context_strategy=allgather"]
-    assert_matches(losses_and_grad_norms(layout, 8, tmp_path), single_device)
+    assert_matches(losses_and_grad_norms(fit(BASE, layout, 8, tmp_path)), single_device)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -14,17 +14,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from safetensors.torch import load_file  # noqa: E402  (transformers brings safetensors)
+from hf_models import TOKENS_BS, VOCAB, convert, hf_logits, hf_tensors, our_logits, save_random  # noqa: E402
 
 from mlm_jax import Trainer, load_config  # noqa: E402
 from mlm_jax.config import Config, ModelConfig  # noqa: E402
 from mlm_jax.convert import store  # noqa: E402
-from mlm_jax.convert.__main__ import main  # noqa: E402
-from mlm_jax.convert.pretrained import load_pretrained  # noqa: E402
 from mlm_jax.train.state import model_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000, rms_norm_eps=1e-6, tie_word_embeddings=False)
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
@@ -34,39 +32,13 @@ FAMILIES = {
 SAME_CONFIG = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
                "max_position_embeddings", "bos_token_id", "eos_token_id", "dtype")
-TOKENS_BS = np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, 24))
 
 
 def save_hf(path, family, dtype=torch.float32, max_shard_size="5GB", **overrides):
-    """A random model; every weight (norm scales and biases too) is perturbed, so a swapped tensor shows."""
+    """A random model of `family`, every weight perturbed (`hf_models.save_random`)."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**TINY, **extra, **overrides}))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.to(dtype).save_pretrained(path, safe_serialization=True, max_shard_size=max_shard_size)
-    return model.eval()
-
-
-def hf_logits(model):
-    with torch.no_grad():
-        return model(torch.from_numpy(TOKENS_BS)).logits.float().numpy()
-
-
-def our_logits(path):
-    return np.asarray(load_pretrained(path, dtype="float32")(jnp.asarray(TOKENS_BS)))
-
-
-def hf_tensors(path):
-    tensors = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
-
-
-def convert(*args):
-    assert main([str(a) for a in args]) == 0
+    return save_random(model_cls(config_cls(**{**TINY, **extra, **overrides})), path, dtype, max_shard_size)
 
 
 @pytest.mark.parametrize("family, overrides", [

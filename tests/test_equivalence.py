@@ -2,11 +2,11 @@
 
 Loss within 1e-5 and gradient norm within 1e-4 relative, at every step.
 """
-import jax
 import numpy as np
 import pytest
 
-from mlm_jax import Trainer, load_config
+from layouts import assert_matches, fit
+from layouts import losses_and_grad_norms as table
 
 BASE = ["model.dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=8", "train.seq_len=64", "log.progress=never", "optim.warmup_steps=0",
@@ -14,15 +14,7 @@ BASE = ["model.dtype=float32", "train.steps=3", "train.log_every=1", "train.eval
 
 
 def losses_and_grad_norms(overrides, num_devices, tmp_path):
-    cfg = load_config(None, BASE + [f"train.output_dir={tmp_path}"] + overrides)
-    records = Trainer(cfg, devices=jax.devices()[:num_devices]).fit()
-    return np.array([[r["loss"], r["grad_norm"]] for r in records])
-
-
-def assert_matches(got, ref):
-    assert got.shape == ref.shape == (3, 2)
-    np.testing.assert_allclose(got[:, 0], ref[:, 0], rtol=1e-5, err_msg="loss")
-    np.testing.assert_allclose(got[:, 1], ref[:, 1], rtol=1e-4, err_msg="grad norm")
+    return table(fit(BASE, overrides, num_devices, tmp_path))
 
 
 @pytest.fixture(scope="module")

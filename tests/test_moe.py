@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from layouts import assert_matches, fit, losses_and_grad_norms
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError, MoEConfig
 from mlm_jax.layers.moe import MoE, MoELayerConfig
@@ -20,18 +21,7 @@ BASE = ["model.dtype=float32", "model.num_layers=2", "train.steps=3", "train.log
 
 
 def run(overrides, num_devices, tmp_path):
-    cfg = load_config(None, BASE + [f"train.output_dir={tmp_path}"] + overrides)
-    return Trainer(cfg, devices=jax.devices()[:num_devices]).fit()
-
-
-def losses_and_grad_norms(records):
-    return np.array([[r["loss"], r["grad_norm"]] for r in records])
-
-
-def assert_matches(got, ref):
-    assert got.shape == ref.shape == (3, 2)
-    np.testing.assert_allclose(got[:, 0], ref[:, 0], rtol=1e-5, err_msg="loss")
-    np.testing.assert_allclose(got[:, 1], ref[:, 1], rtol=1e-4, err_msg="grad norm")
+    return fit(BASE, overrides, num_devices, tmp_path)
 
 
 @pytest.fixture(scope="module")
