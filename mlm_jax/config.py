@@ -1,7 +1,8 @@
 """Run configuration: frozen dataclasses per section, YAML files, dotted `section.key=value` overrides.
 
 Every user mistake raises `ConfigError` with one line naming the key, the value and what is allowed; the CLI
-turns it into `error: ...` and exit code 2. Checks that need the device count live in `parallel/mesh.py`.
+turns it into `error: ...` and exit code 2. Each field declares its own allowed values (`choice`, `number`);
+`mlm_jax.validation` checks them and every rule across fields, devices and backend in one pass.
 """
 from __future__ import annotations
 
@@ -24,6 +25,26 @@ class ConfigError(ValueError):
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def choice(*allowed: str, default: str | None = None):
+    """A string field restricted to `allowed` (the list lives here, beside the field, and nowhere else); the
+    default is the first unless given."""
+    return field(default=default or allowed[0], metadata={"choices": allowed})
+
+
+def number(default, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
+           le: float | None = None):
+    """A numeric field with bounds, checked by `mlm_jax.validation` (None stays allowed for optional fields)."""
+    return field(default=default, metadata={"bounds": (gt, ge, lt, le)})
+
+
+def positive(default):
+    return number(default, gt=0)
+
+
+def non_negative(default):
+    return number(default, ge=0)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Mixture-of-experts FFNs (`num_experts: 0` = a dense model).
@@ -32,22 +53,26 @@ class MoEConfig:
     `router`: softmax (Mixtral: softmax over all experts, top-k, renormalised) or sigmoid (DeepSeek-V3: sigmoid
     scores, top-k chosen on score + a per-expert bias, weights renormalised). `router_bias_update` > 0 moves that
     bias by this step size towards balanced load after every step (aux-loss-free balancing, outside the gradient).
-    `capacity_factor`: null = dropless; else each expert takes at most ceil(tokens x top_k / experts x factor).
+    `capacity_factor`: null = dropless; else capacity is counted per group of `capacity_group_rows` batch rows of
+    each forward pass (GShard's groups; 1 = per sequence, as MaxText): each expert takes at most
+    ceil(group tokens x top_k / experts x factor) of a group's assignments, whatever the layout.
     `shared_experts`: experts every token passes through (one SwiGLU of shared_experts x expert_ffn_size).
     """
 
-    num_experts: int = 0
-    top_k: int = 2
-    expert_ffn_size: int | None = None  # null = model.ffn_size
-    capacity_factor: float | None = None
-    router: str = "softmax"
-    router_bias_update: float = 0.0
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    shared_experts: int = 0
-    every_n_layers: int = 1
-    first_dense_layers: int = 0
-    impl: str = "auto"  # grouped matmul of dropless experts: auto | ragged (jax.lax.ragged_dot) | mgpu (Hopper)
+    num_experts: int = non_negative(0)
+    top_k: int = positive(2)
+    expert_ffn_size: int | None = positive(None)  # null = model.ffn_size
+    capacity_factor: float | None = positive(None)
+    capacity_group_rows: int = positive(1)
+    router: str = choice("softmax", "sigmoid")
+    router_bias_update: float = non_negative(0.0)
+    aux_loss_coef: float = non_negative(0.01)
+    z_loss_coef: float = non_negative(0.0)
+    shared_experts: int = non_negative(0)
+    every_n_layers: int = positive(1)
+    first_dense_layers: int = non_negative(0)
+    # grouped matmul of dropless experts: ragged_dot, Hopper's Mosaic-GPU kernels, or mgpu where they run
+    impl: str = choice("auto", "ragged", "mgpu")
 
     @property
     def enabled(self) -> bool:
@@ -61,27 +86,28 @@ class MoEConfig:
 class ModelConfig:
     """Decoder shape. `num_kv_heads` and `head_dim` default to `num_heads` and `hidden_size // num_heads`."""
 
-    vocab_size: int = 512
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    ffn_size: int = 384
-    norm: str = "rmsnorm"
-    norm_eps: float = 1e-6
-    activation: str = "swiglu"
-    rope_theta: float = 10000.0
+    vocab_size: int = positive(512)
+    hidden_size: int = positive(128)
+    num_layers: int = positive(4)
+    num_heads: int = positive(4)
+    num_kv_heads: int | None = positive(None)
+    head_dim: int | None = positive(None)
+    ffn_size: int = positive(384)
+    norm: str = choice("rmsnorm", "layernorm")
+    norm_eps: float = positive(1e-6)
+    activation: str = choice("swiglu", "gelu")
+    rope_theta: float = positive(10000.0)
     tie_embeddings: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False
-    init_std: float = 0.02
-    dtype: str = "bfloat16"
-    param_dtype: str = "float32"
-    remat: str = "none"
-    attention_impl: str = "auto"
+    init_std: float = positive(0.02)
+    dtype: str = choice(*DTYPES, default="bfloat16")
+    param_dtype: str = choice(*DTYPES, default="float32")
+    remat: str = choice("none", "dots", "full")
+    attention_impl: str = choice("auto", "cudnn", "xla", "te")  # auto: cudnn on GPUs for 16-bit inputs, else xla
     scan_layers: bool = True  # a lax.scan over the layers compiles once per model; unrolled runs faster
-    precision: str = "bf16"  # matmuls in `dtype` (bf16), XLA fp8 with current scaling, or Transformer Engine fp8
+    # matmuls in `dtype` (bf16), XLA fp8 with current scaling, or Transformer Engine fp8
+    precision: str = choice("bf16", "fp8", "fp8_te")
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -107,49 +133,51 @@ class ParallelConfig:
     context: int = 1
     expert: int = 1
     tensor: int = 1
-    context_strategy: str = "allgather"  # allgather: K/V gathered once; ring: K/V blocks passed around (ppermute)
-    virtual_stages: int = 1
-    pipeline_schedule: str = "1f1b"
+    # allgather: K/V gathered once; ring: K/V blocks passed around (ppermute)
+    context_strategy: str = choice("allgather", "ring")
+    virtual_stages: int = positive(1)
+    pipeline_schedule: str = choice("1f1b", "gpipe")
     sequence_parallel: bool = False
     shard_optimizer: bool = False
     rules: Any = "default"
     # Degrees across hosts/slices (the slow network): each multiplies the same axis' degree within a host.
-    dcn_data: int = 1
-    dcn_stage: int = 1
-    dcn_fsdp: int = 1
+    dcn_data: int = positive(1)
+    dcn_stage: int = positive(1)
+    dcn_fsdp: int = positive(1)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Steps and batch. `micro_batch_size` is per data-parallel replica, as in Megatron-LM; None = no accumulation."""
 
-    steps: int = 200
-    global_batch_size: int = 16
-    micro_batch_size: int | None = None
-    num_microbatches: int | None = None  # the same split as micro_batch_size: give either (or both, consistent)
-    seq_len: int = 128
-    seed: int = 0
+    steps: int = positive(200)
+    global_batch_size: int = positive(16)
+    micro_batch_size: int | None = positive(None)
+    num_microbatches: int | None = positive(None)  # the same split as micro_batch_size: give either (or both)
+    seq_len: int = positive(128)
+    seed: int = non_negative(0)
     output_dir: str | None = None
-    log_every: int = 10
-    eval_every: int = 100  # 0 = never
-    eval_batches: int = 4
-    nan_policy: str = "skip"  # skip: drop the update and count it; stop: save the last good state and exit
+    log_every: int = positive(10)
+    eval_every: int = non_negative(100)  # 0 = never
+    eval_batches: int = positive(4)
+    # skip: drop the update and count it; stop: save the last good state and exit (checked on logged steps)
+    nan_policy: str = choice("skip", "stop")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW with a warmup then cosine, warmup-stable-decay (last `decay_fraction` of steps) or constant."""
 
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    schedule: str = "cosine"
-    decay_fraction: float = 0.2
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float | None = 1.0
+    lr: float = positive(3e-3)
+    min_lr: float = non_negative(3e-4)
+    warmup_steps: int = non_negative(20)
+    schedule: str = choice("cosine", "wsd", "constant")
+    decay_fraction: float = number(0.2, ge=0, le=1)
+    weight_decay: float = non_negative(0.1)
+    beta1: float = number(0.9, ge=0, lt=1)
+    beta2: float = number(0.95, ge=0, lt=1)
+    eps: float = positive(1e-8)
+    clip_grad: float | None = positive(1.0)
 
 
 @dataclass(frozen=True)
@@ -162,21 +190,24 @@ class DataConfig:
     paths: list | None = None
     weights: list | None = None
     tokenizer: str = "byte"
-    validation_fraction: float = 0.05
-    max_bytes: int | None = None
+    validation_fraction: float = number(0.05, gt=0, lt=1)
+    max_bytes: int | None = positive(None)
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Sharded async checkpoints. `dir` defaults to `<train.output_dir>/checkpoints`; `every: 0` saves only at the
     end (and on SIGTERM/SIGINT). `resume`: auto (the newest in `dir`, if any), none, or a checkpoint path.
-    `init_from`: start a new run from another checkpoint's weights (fresh optimizer)."""
+    `init_from`: start a new run from another checkpoint's weights (fresh optimizer). Resuming with another
+    `train.seed` or data blend than the checkpoint recorded changes the data order and is refused unless
+    `allow_data_change` is set."""
 
     dir: str | None = None
-    every: int = 0
-    keep: int = 3
+    every: int = non_negative(0)
+    keep: int = positive(3)
     resume: str = "auto"
     init_from: str | None = None
+    allow_data_change: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,7 +216,7 @@ class LogConfig:
     (default `<train.output_dir>/profile`)."""
 
     sharding_report: bool = False
-    progress: str = "auto"
+    progress: str = choice("auto", "always", "never")
     profile_steps: list | None = None
     profile_dir: str | None = None
 
@@ -207,32 +238,6 @@ class Config:
 
 _SECTION_TYPES = {k: v for k, v in typing.get_type_hints(Config).items() if k != "name"}
 SECTIONS = tuple(_SECTION_TYPES)
-
-CHOICES = {
-    "model.norm": ("rmsnorm", "layernorm"),
-    "model.activation": ("swiglu", "gelu"),
-    "model.dtype": DTYPES,
-    "model.param_dtype": DTYPES,
-    "model.remat": ("none", "dots", "full"),
-    "model.attention_impl": ("auto", "cudnn", "xla", "te"),
-    "model.precision": ("bf16", "fp8", "fp8_te"),
-    "optim.schedule": ("cosine", "wsd", "constant"),
-    "log.progress": ("auto", "always", "never"),
-    "train.nan_policy": ("skip", "stop"),
-    "parallel.pipeline_schedule": ("1f1b", "gpipe"),
-    "parallel.context_strategy": ("allgather", "ring"),
-    "model.moe.router": ("softmax", "sigmoid"),
-    "model.moe.impl": ("auto", "ragged", "mgpu"),
-}
-
-POSITIVE = (
-    "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
-    "model.head_dim", "model.ffn_size", "train.steps", "train.global_batch_size", "train.micro_batch_size",
-    "train.seq_len", "train.log_every", "train.eval_batches", "checkpoint.keep", "train.num_microbatches",
-    "parallel.virtual_stages", "parallel.dcn_data", "parallel.dcn_stage", "parallel.dcn_fsdp",
-    "model.moe.top_k", "model.moe.expert_ffn_size", "model.moe.capacity_factor", "model.moe.every_n_layers",
-)
-
 
 def _keys(prefix: str, tp) -> list[str]:
     """Dotted keys of a config dataclass, nested sections (`model.moe.top_k`) spelled out."""
@@ -379,83 +384,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
                 cfg = _apply(cfg, f"{section}.{name}", value)
     for arg in overrides:
         cfg = _apply(cfg, *_parse_override(arg))
-    validate(cfg)
+    from mlm_jax.validation import check_config  # the rules need the dataclasses above
+    check_config(cfg)
     return cfg
-
-
-def validate(cfg: Config) -> None:
-    """Checks that need no devices."""
-    flat = _flat({s: sec for s, sec in cfg.to_dict().items() if isinstance(sec, dict)})
-    for key, allowed in CHOICES.items():
-        if flat[key] not in allowed:
-            raise ConfigError(f"{key}={flat[key]!r}: expected one of {', '.join(allowed)}")
-    for key in POSITIVE:
-        if flat[key] is not None and flat[key] <= 0:
-            raise ConfigError(f"{key}={flat[key]}: must be positive")
-    m = cfg.model
-    if m.head_dim is None and m.hidden_size % m.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; set model.head_dim")
-    if m.num_heads % m.kv_heads:
-        raise ConfigError(f"model.num_kv_heads={m.kv_heads} must divide model.num_heads={m.num_heads}")
-    if m.dim_per_head % 2:
-        raise ConfigError(f"model.head_dim={m.dim_per_head}: rotary embeddings need an even head dimension")
-    _validate_moe(m.moe, m.num_layers)
-    p = cfg.parallel
-    degrees = {k: getattr(p, k) for k in ("data", "stage", "fsdp", "context", "expert", "tensor")}
-    for k, v in degrees.items():
-        if v == 0 or v < -1:
-            raise ConfigError(f"parallel.{k}={v}: expected a positive degree or -1 (the remaining devices)")
-    if sum(v == -1 for v in degrees.values()) > 1:
-        many = ", ".join(f"parallel.{k}" for k, v in degrees.items() if v == -1)
-        raise ConfigError(f"more than one degree is -1 ({many}); at most one may take the remaining devices")
-    ps = cfg.log.profile_steps
-    if ps is not None and not (len(ps) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in ps)
-                               and 1 <= ps[0] <= ps[1]):
-        raise ConfigError(f"log.profile_steps={ps}: expected [first, last] steps with 1 <= first <= last")
-    if cfg.checkpoint.every < 0:
-        raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0 = only at the end)")
-    if cfg.checkpoint.resume == "":
-        raise ConfigError("checkpoint.resume='': expected auto, none or a checkpoint path")
-    if cfg.train.eval_every < 0:
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every}: must be >= 0 (0 = no evaluation)")
-    d = cfg.data
-    if d.weights is not None:
-        if not d.paths or len(d.weights) != len(d.paths):
-            raise ConfigError(f"data.weights={d.weights}: expected one weight per entry of data.paths={d.paths}")
-        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
-                   for w in d.weights):
-            raise ConfigError(f"data.weights={d.weights}: expected positive numbers")
-    if d.paths is not None and (not d.paths or not all(isinstance(p, str) for p in d.paths)):
-        raise ConfigError(f"data.paths={d.paths}: expected a list of prepared directories")
-    if not (0 < cfg.data.validation_fraction < 1):
-        raise ConfigError(f"data.validation_fraction={cfg.data.validation_fraction}: expected a number in (0, 1)")
-    o = cfg.optim
-    if not (0 <= o.decay_fraction <= 1):
-        raise ConfigError(f"optim.decay_fraction={o.decay_fraction}: expected a number in [0, 1]")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
-    if o.clip_grad is not None and o.clip_grad <= 0:
-        raise ConfigError(f"optim.clip_grad={o.clip_grad}: must be positive or null")
-
-
-def _validate_moe(moe: MoEConfig, num_layers: int) -> None:
-    for key in ("num_experts", "shared_experts", "first_dense_layers"):
-        if getattr(moe, key) < 0:
-            raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: must be >= 0")
-    for key in ("router_bias_update", "aux_loss_coef", "z_loss_coef"):
-        if getattr(moe, key) < 0:
-            raise ConfigError(f"model.moe.{key}={getattr(moe, key)}: must be >= 0")
-    if not moe.enabled:
-        return
-    if moe.top_k > moe.num_experts:
-        raise ConfigError(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}")
-    if not any(moe.is_moe_layer(i) for i in range(num_layers)):
-        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer among "
-                          f"model.num_layers={num_layers}")
-    if moe.router_bias_update and moe.router != "sigmoid":
-        raise ConfigError(f"model.moe.router_bias_update={moe.router_bias_update} needs model.moe.router=sigmoid "
-                          f"(the bias only steers the sigmoid router's choice)")
 
 
 def to_yaml(cfg: Config) -> str:

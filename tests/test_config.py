@@ -5,7 +5,7 @@ import pathlib
 import pytest
 
 from mlm_jax.config import Config, ConfigError, load_config, to_yaml
-from mlm_jax.parallel.mesh import resolve_degrees
+from mlm_jax.validation import check_degrees
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -159,7 +159,7 @@ def test_print_config_round_trips(tmp_path):
 
 # -- degree resolution -------------------------------------------------------------------------------------------------
 def degrees_of(*overrides, devices=8):
-    return resolve_degrees(load_config(overrides=overrides), devices)
+    return check_degrees(load_config(overrides=overrides), devices)[0]
 
 
 def test_minus_one_takes_the_remaining_devices():

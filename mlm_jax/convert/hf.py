@@ -18,7 +18,8 @@ import yaml
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mlm_jax.config import Config, ModelConfig, validate
+from mlm_jax.config import Config, ModelConfig
+from mlm_jax.validation import check_config
 from mlm_jax.convert import ConvertError, llama, mixtral, store
 from mlm_jax.train.state import model_spec
 
@@ -40,7 +41,7 @@ def from_hf(src: str, dst: str) -> Config:
     source = llama.read_source(src)
     _require_empty(dst)
     cfg = Config(name=os.path.basename(os.path.normpath(dst)), model=source.model)
-    validate(cfg)
+    check_config(cfg)
     m = cfg.model
     dtype = np.dtype(m.param_dtype)
     files = dict(source.files)

@@ -26,12 +26,24 @@ class AttentionConfig:
     impl: str  # auto | cudnn | xla | te
 
 
-def kernel_for(impl: str, dtype) -> str:
+def kernel_for(impl: str, dtype, platform: str | None = None) -> str:
     """'auto' takes cuDNN flash attention on GPUs for 16-bit inputs and XLA's fused softmax elsewhere."""
     if impl != "auto":
         return impl
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = (platform or jax.default_backend()) == "gpu"
     return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def unavailable(kernel: str, dtype, platform: str) -> str | None:
+    """Why `kernel` cannot run `dtype` inputs on `platform` devices, or None (asked by `mlm_jax.validation`)."""
+    if kernel == "cudnn" and platform != "gpu":
+        return f"cuDNN attention needs an NVIDIA GPU, and this run has {platform} devices; use auto or xla"
+    if kernel == "cudnn" and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN attention needs bfloat16 or float16 inputs (model.dtype), not {dtype}; use auto or xla"
+    if kernel == "xla" and platform == "cpu" and jnp.dtype(dtype) == jnp.float16:
+        return ("XLA's CPU backend has no float16 matmul with float32 accumulation, which attention needs; "
+                "use bfloat16 or float32 on CPUs")
+    return None
 
 
 def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str) -> jax.Array:

@@ -9,8 +9,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mlm_jax.config import ConfigError, ModelConfig
-from mlm_jax.layers import te
+from mlm_jax.config import ModelConfig
 from mlm_jax.layers.transformer import Transformer
 
 
@@ -29,10 +28,6 @@ class ModelSpec(NamedTuple):
 
 def model_spec(m: ModelConfig) -> ModelSpec:
     """The model's structure, parameter shapes and logical names, without allocating anything."""
-    for key, value in (("attention_impl", m.attention_impl), ("precision", m.precision)):
-        if value in ("te", "fp8_te") and (reason := te.missing()):
-            raise ConfigError(f"model.{key}={value} needs Transformer Engine (transformer_engine.jax), which does not "
-                              f"import here ({reason})")
     abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))

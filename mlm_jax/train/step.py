@@ -44,11 +44,11 @@ def update_router_bias(params, load_LE: jax.Array, rate: float):
                                                               "router": {**router, "bias": bias}}}}
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: int, resolver: Callable,
-                    master_shardings, compute_shardings=None, compute_dtype=jnp.float32,
-                    lr_schedule: optax.Schedule, pipeline: Callable | None = None, moe: MoEConfig | None = None,
-                    kernels: dict | None = None, prepare: Callable | None = None) -> Callable:
-    """`step(state, batch) -> (state, metrics)`.
+def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shardings, compute_shardings=None,
+                 compute_dtype=jnp.float32, pipeline: Callable | None = None, moe: MoEConfig | None = None,
+                 kernels: dict | None = None, prepare: Callable | None = None) -> Callable:
+    """`grads(params, batch) -> (metrics, gradients)`: the mean loss and gradient over the batch, each gradient in
+    its master weight's dtype and layout.
 
     `kernels` (by `axes` kernel name) replace layer computations that need explicit collectives; `prepare(batch)`
     rewrites the batch once before anything else (context parallelism's load-balancing permutation).
@@ -100,14 +100,28 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, accum_steps: 
         return (jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A),
                 jax.tree.map(lambda g: g / accum_steps, grad_sum))
 
-    def step(state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
+    def grads_fn(params, batch):
         with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
             if prepare is not None:
                 batch = prepare(batch)
             if accum_steps == 1 or pipeline is not None:
-                metrics, grads = grads_of(state.params, batch)
+                metrics, grads = grads_of(params, batch)
             else:
-                metrics, grads = accumulate(state.params, batch)
+                metrics, grads = accumulate(params, batch)
+        # Accumulators and the ZeRO-1 path are fp32: back to each master weight's dtype, so that the optimizer
+        # state keeps the dtype it was created with (bf16 master weights with accumulation).
+        return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+    return grads_fn
+
+
+def make_train_step(tx: optax.GradientTransformation, grads_fn: Callable, *, lr_schedule: optax.Schedule,
+                    moe: MoEConfig | None = None) -> Callable:
+    """`step(state, batch) -> (state, metrics)`: `grads_fn` (`make_grad_fn`), then AdamW; a step whose loss or
+    gradient is not finite leaves the weights and the optimizer state as they were and is counted."""
+
+    def step(state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
+        metrics, grads = grads_fn(state.params, batch)
         loss = metrics["loss"]
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
