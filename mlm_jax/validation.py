@@ -208,6 +208,8 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
     if cp > 1 and m.attention_impl == "te":
         raise ConfigError("model.attention_impl=te cannot serve parallel.context > 1: context-parallel attention "
                           "runs cudnn (GPU) or xla blocks; use model.attention_impl=auto")
+    if m.moe.enabled:
+        _check_moe_layout(cfg, d)
     M = accumulation_steps(cfg, d)
     if P > 1 and M < P:
         raise ConfigError(f"{M} microbatch(es) cannot fill parallel.stage={P} pipeline stages: set "
@@ -215,25 +217,29 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
     if P > 1 and V > 1 and M % P:
         raise ConfigError(f"train.num_microbatches={M} must be a multiple of parallel.stage={P} with "
                           f"parallel.virtual_stages={V}")
-    if m.moe.enabled:
-        _check_moe_layout(cfg, d, M)
+    if m.moe.enabled and m.moe.capacity_factor is not None:
+        _check_capacity_groups(cfg, d, M)
     return M
 
 
-def _check_moe_layout(cfg: Config, d: dict[str, int], M: int) -> None:
-    from mlm_jax.parallel.mesh import data_parallel_degree
+def _check_moe_layout(cfg: Config, d: dict[str, int]) -> None:
     moe, P = cfg.model.moe, d["stage"]
-    if moe.num_experts % d["expert"]:
-        raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={d['expert']}")
     if P > 1:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} with parallel.stage={P}: MoE models do not run "
                           f"in the pipeline yet; use expert, fsdp, tensor or data parallelism")
+    if moe.num_experts % d["expert"]:
+        raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={d['expert']}")
     F, tp = cfg.model.expert_ffn, d["tensor"]
     if F % tp:
         raise ConfigError(f"model.moe.expert_ffn_size={F} is not divisible by parallel.tensor={tp} (each tensor rank "
                           f"holds a slice of every expert's ffn dim)")
-    if moe.capacity_factor is None:
-        return
+
+
+def _check_capacity_groups(cfg: Config, d: dict[str, int], M: int) -> None:
+    """Capacity is counted per group of rows (`model.moe.capacity_group_rows`): a device must hold whole groups,
+    so that every layout drops the same assignments."""
+    from mlm_jax.parallel.mesh import data_parallel_degree
+    moe = cfg.model.moe
     g = moe.capacity_group_rows
     if d["context"] > 1:
         raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} with parallel.context={d['context']}: "

@@ -1,5 +1,7 @@
-"""Checkpoints: exact resume, resume on other layouts and device counts, signals, crashes, corruption, NaN policy."""
+"""Checkpoints: exact resume, resume on other layouts and device counts, signals, crashes, corruption, data-order
+changes, NaN policy."""
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from mlm_jax import Trainer, load_config
+from mlm_jax.config import ConfigError
 from mlm_jax.train.checkpoint import CheckpointError, checkpoint_steps
 from mlm_jax.train.loop import TrainingStopped
 
@@ -81,17 +84,94 @@ def test_resume_on_fewer_devices_matches_uninterrupted_run(tmp_path):
     _assert_close(_chain(tmp_path, layouts, [8, 4, 1]), ref)
 
 
-def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
-    trainer(tmp_path, "train.steps=4", "checkpoint.every=2").fit()
-    ckdir = tmp_path / "checkpoints"
-    assert checkpoint_steps(str(ckdir)) == [2, 4]
-    for root, _, files in os.walk(ckdir / "4" / "params"):
+def _garble(step_dir):
+    for root, _, files in os.walk(step_dir / "params"):
         for f in files:
             with open(os.path.join(root, f), "wb") as fh:
                 fh.write(b"garbage")
-    resumed = trainer(tmp_path, "train.steps=4", "checkpoint.every=2")
+
+
+def _params(t):
+    return jax.tree.leaves(jax.device_get(t.state.params))
+
+
+def test_unreadable_latest_checkpoint_is_moved_aside_and_written_again(tmp_path, capsys):
+    run = ["train.steps=4", "checkpoint.every=2", "parallel.data=2"]
+    full = trainer(tmp_path / "full", *run, devices=2)
+    full.fit()
+    trainer(tmp_path / "run", *run, devices=2).fit()
+    ckdir = tmp_path / "run" / "checkpoints"
+    assert checkpoint_steps(str(ckdir)) == [2, 4]
+    _garble(ckdir / "4")
+    capsys.readouterr()
+
+    resumed = trainer(tmp_path / "run", *run, devices=2)
     assert int(resumed.state.step) == 2
-    assert "checkpoints/4 is unreadable" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    (aside,) = ckdir.glob("4.unreadable-*")
+    assert checkpoint_steps(str(ckdir)) == [2]  # the moved one is not a step
+    assert (f"warning: checkpoint {ckdir}/4 is unreadable (" in out
+            and f"); moved aside to {aside}; resuming from {ckdir}/2\n" in out), out
+    assert {(aside / "params" / f).read_bytes() for f in os.listdir(aside / "params")
+            if (aside / "params" / f).is_file()} == {b"garbage"}  # kept as it was
+    resumed.fit()
+    assert checkpoint_steps(str(ckdir)) == [2, 4]
+    for got, want in zip(_params(resumed), _params(full), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    capsys.readouterr()
+    again = trainer(tmp_path / "run", *run, devices=2)  # the new step 4 is complete and readable
+    assert int(again.state.step) == 4 and "warning" not in capsys.readouterr().out
+    for got, want in zip(_params(again), _params(full), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_unreadable_checkpoint_of_init_from_is_skipped_and_left_in_place(tmp_path, capsys):
+    trainer(tmp_path / "a", "train.steps=4", "checkpoint.every=2", "parallel.data=2", devices=2).fit()
+    source = tmp_path / "a" / "checkpoints"
+    _garble(source / "4")
+    fresh = trainer(tmp_path / "b", "train.steps=2", "parallel.data=2", f"checkpoint.init_from={source}", devices=2)
+    assert int(fresh.state.step) == 0
+    assert f"warning: checkpoint {source}/4 is unreadable (" in capsys.readouterr().out
+    assert sorted(p.name for p in source.iterdir() if "unreadable" in p.name) == []
+    assert checkpoint_steps(str(source)) == [2, 4]
+
+
+def _file_hashes(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+def test_resuming_with_another_seed_is_refused_and_writes_nothing(tmp_path):
+    first = _cli(tmp_path, "train.steps=2")
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    before = _file_hashes(tmp_path)
+    refused = _cli(tmp_path, "train.steps=4", "train.seed=1")
+    out, err = refused.communicate(timeout=300)
+    ck = tmp_path / "checkpoints" / "2"
+    assert refused.returncode == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: checkpoint.resume: {ck} was written with train.seed=0; this run has train.seed=1: "
+                          f"resuming would change the data order (set checkpoint.allow_data_change=true"), err
+    assert _file_hashes(tmp_path) == before
+
+
+def test_data_change_is_refused_unless_allowed_and_a_new_batch_size_is_reported(tmp_path, capsys):
+    trainer(tmp_path, "train.steps=2", "parallel.data=2", devices=2).fit()
+    ck = tmp_path / "checkpoints"
+    with pytest.raises(ConfigError, match=r"was written with data.max_bytes=2000000; this run has "
+                                          r"data.max_bytes=1000000: resuming would change the data order"):
+        trainer(tmp_path, "train.steps=4", "data.max_bytes=1000000", devices=2)
+    allowed = trainer(tmp_path, "train.steps=4", "train.seed=1", "checkpoint.allow_data_change=true", devices=2)
+    assert int(allowed.state.step) == 2 and allowed.resumed_from == f"{ck}/2 (train.seed 0 -> 1)"
+    new_run = trainer(tmp_path / "new", "train.seed=1", f"checkpoint.init_from={ck}", devices=2)  # weights only
+    assert int(new_run.state.step) == 0 and new_run.resumed_from is None
+    bigger = trainer(tmp_path, "train.steps=3", "train.global_batch_size=16", "parallel.data=2", devices=2)
+    assert int(bigger.state.step) == 2
+    capsys.readouterr()
+    bigger.fit()
+    assert f"resumed from {ck}/2 (train.global_batch_size 8 -> 16)\n" in capsys.readouterr().out
+    assert checkpoint_steps(str(ck)) == [2, 3]
 
 
 def test_init_from_takes_weights_only(tmp_path):
@@ -109,7 +189,7 @@ def test_nan_policy_stop_saves_and_raises(tmp_path):
     params = t.state.params
     good = jax.device_get(params["head"]["kernel"])
     t.state = t.state._replace(params=dict(params, final_norm={"scale": params["final_norm"]["scale"] * jnp.nan}))
-    with pytest.raises(TrainingStopped, match="non-finite loss or gradient at step 1"):
+    with pytest.raises(TrainingStopped, match="non-finite loss or gradient in step 1"):
         t.fit()
     assert checkpoint_steps(str(tmp_path / "checkpoints")) == [1]
     np.testing.assert_array_equal(jax.device_get(t.state.params["head"]["kernel"]), good)

@@ -92,27 +92,46 @@ def test_capacity_drops_later_choices_first():
     np.testing.assert_allclose(y, jax.jit(reference)(**{**inputs, **kept}), **TOL)
 
 
-def test_capacity_drops_by_rank_on_random_routing():
-    inputs, _ = make_inputs(B=4, E=4, seed=1)
-    experts_TK = np.asarray(inputs["experts_BSK"]).reshape(-1, K)
-    C = int(np.ceil(experts_TK.size / 4 * 0.5))
-    kept_TK, load = np.zeros_like(experts_TK), np.zeros(4, int)
-    for k in range(K):  # first choices of all tokens, then second choices
-        for t in range(len(experts_TK)):
-            kept_TK[t, k] = load[experts_TK[t, k]] < C
-            load[experts_TK[t, k]] += 1
-    y, dropped = jax.jit(expert_ffn, static_argnames="capacity_factor")(**inputs, capacity_factor=0.5)
-    assert dropped == (kept_TK == 0).sum() > 0
-    kept = {"weights_BSK": inputs["weights_BSK"] * kept_TK.reshape(inputs["weights_BSK"].shape)}
-    np.testing.assert_allclose(y, jax.jit(reference)(**{**inputs, **kept}), **TOL)
+def kept_per_group(experts_BSK, group_rows, capacity_factor, E):
+    """Naive capacity: per group of `group_rows` rows, per expert, the group's first choices in token order, then
+    its second choices, each kept while the expert holds fewer than C of the group's assignments."""
+    experts_BSK = np.asarray(experts_BSK)
+    B, S, _ = experts_BSK.shape
+    C = int(np.ceil(group_rows * S * K / E * capacity_factor))
+    kept_BSK = np.zeros_like(experts_BSK)
+    for g in range(0, B, group_rows):
+        load = np.zeros(E, int)
+        for k in range(K):
+            for b in range(g, g + group_rows):
+                for s in range(S):
+                    e = experts_BSK[b, s, k]
+                    kept_BSK[b, s, k] = load[e] < C
+                    load[e] += 1
+    return kept_BSK
 
 
-def test_unknown_impl_and_bad_capacity_are_rejected():
-    inputs, _ = make_inputs(B=1, E=2)
-    with pytest.raises(ValueError, match="impl='pallas'"):
-        expert_ffn(**inputs, capacity_factor=None, impl="pallas")
+@pytest.mark.parametrize("group_rows, capacity_factor", [(1, 0.5), (2, 0.5), (4, 0.25), (4, 0.5)])
+def test_capacity_drops_by_rank_within_groups_of_rows(group_rows, capacity_factor):
+    """Random routing against the naive per-group count: outputs, the count dropped, and the gradients (a dropped
+    assignment is one whose combine weight is zero)."""
+    inputs, cotangent = make_inputs(B=4, E=4, seed=1)
+    kept_BSK = kept_per_group(inputs["experts_BSK"], group_rows, capacity_factor, 4)
+    y, dropped, grads = value_and_grads(
+        lambda **a: expert_ffn(**a, capacity_factor=capacity_factor, capacity_group_rows=group_rows),
+        dict(inputs), cotangent)
+    y_ref, _, grads_ref = value_and_grads(
+        lambda **a: (reference(**{**a, "weights_BSK": a["weights_BSK"] * kept_BSK}), 0), dict(inputs), cotangent)
+    assert dropped == (kept_BSK == 0).sum() > 0
+    np.testing.assert_allclose(y, y_ref, **TOL)
+    assert_same(grads, grads_ref)
+
+
+def test_bad_capacity_is_rejected():
+    inputs, _ = make_inputs(B=2, E=2)
     with pytest.raises(ValueError, match="capacity_factor=0"):
         expert_ffn(**inputs, capacity_factor=0)
+    with pytest.raises(ValueError, match="capacity groups of 4"):
+        expert_ffn(**inputs, capacity_factor=1.0, capacity_group_rows=4)
 
 
 def _ragged_t(d_RN, rhs_GKN, sizes_G):
@@ -172,7 +191,7 @@ def test_local_dropless_path_with_unpadded_custom_vjp_matches_the_reference():
     assert_same(grads, grads_ref)
 
 
-def expert_parallel(inputs, cotangent, capacity_factor, **degrees):
+def expert_parallel(inputs, cotangent, capacity_factor, group_rows=1, **degrees):
     """expert_parallel_ffn on a mesh of `degrees`, batch over the data axes, the weights' E over expert and their
     F over tensor; returns the outputs, gradients and the lowered StableHLO text."""
     mesh = build_mesh({a: degrees.get(a, 1) for a in MESH_AXES})
@@ -181,7 +200,8 @@ def expert_parallel(inputs, cotangent, capacity_factor, **degrees):
         "expert", "tensor", None))
     shardings = dict(x_BSD=batch, experts_BSK=batch, weights_BSK=batch, gate_EDF=EDF, up_EDF=EDF, down_EFD=EFD)
     inputs = {k: jax.device_put(v, shardings[k]) for k, v in inputs.items()}
-    fn = lambda **a: expert_parallel_ffn(**a, mesh=mesh, capacity_factor=capacity_factor, impl="ragged")
+    fn = lambda **a: expert_parallel_ffn(**a, mesh=mesh, capacity_factor=capacity_factor,
+                                         capacity_group_rows=group_rows, impl="ragged")
     hlo = jax.jit(fn).lower(**inputs).as_text()
     return value_and_grads(fn, inputs, cotangent), hlo
 
@@ -206,16 +226,54 @@ def test_expert_parallel_capacity_with_room_matches_dropless(dropless):
     assert "all_to_all" in hlo
 
 
-def test_expert_parallel_capacity_counts_drops_over_all_devices():
-    """Capacity counts each device's own tokens: ep=4 over B=4 rows is four 1-row calls of expert_ffn."""
-    inputs, _ = make_inputs(B=4, E=4, seed=3)
-    mesh = build_mesh({a: 4 if a == "expert" else 1 for a in MESH_AXES})
-    y_ep, dropped_ep = jax.jit(lambda **a: expert_parallel_ffn(**a, mesh=mesh, capacity_factor=0.5))(**inputs)
-    one = jax.jit(expert_ffn, static_argnames="capacity_factor")
-    rows = [one(**{k: v[b:b + 1] if "_BS" in k else v for k, v in inputs.items()}, capacity_factor=0.5)
-            for b in range(4)]
-    assert dropped_ep == sum(int(d) for _, d in rows) > 0
-    np.testing.assert_allclose(y_ep, jnp.concatenate([y for y, _ in rows]), **TOL)
+GROUPED = [  # (degrees, capacity_group_rows, capacity_factor); B=8 rows, whole groups on every device
+    (dict(expert=2), 1, 0.5), (dict(expert=4), 2, 0.25), (dict(expert=8), 1, 0.5), (dict(data=2, expert=4), 1, 0.5),
+    (dict(fsdp=2, expert=2), 2, 0.5), (dict(tensor=2, expert=2), 4, 0.25), (dict(data=2, tensor=2, expert=2), 2, 0.5),
+    (dict(data=4, tensor=2), 2, 0.25), (dict(data=8), 1, 0.5),
+]
+
+
+@pytest.mark.parametrize("degrees, group_rows, capacity_factor", GROUPED,
+                         ids=lambda v: "-".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else str(v))
+def test_expert_parallel_capacity_with_drops_matches_single_device(degrees, group_rows, capacity_factor):
+    """Capacity counted per group of rows drops the same assignments on every layout as on one device: outputs,
+    count dropped and gradients."""
+    inputs, cotangent = make_inputs(seed=3)
+    y, dropped, grads = value_and_grads(
+        lambda **a: expert_ffn(**a, capacity_factor=capacity_factor, capacity_group_rows=group_rows),
+        dict(inputs), cotangent)
+    (y_ep, dropped_ep, grads_ep), hlo = expert_parallel(dict(inputs), cotangent, capacity_factor, group_rows,
+                                                        **degrees)
+    assert dropped_ep == dropped > 0
+    np.testing.assert_allclose(y_ep, y, **TOL)
+    assert_same(grads_ep, grads)
+    assert ("all_to_all" in hlo) == ("expert" in degrees)
+
+
+def test_expert_parallel_refuses_capacity_groups_split_over_devices():
+    """Internal asserts (the config validation refuses these layouts first): a device holding part of a group."""
+    inputs, _ = make_inputs()
+    for degrees, group_rows in ((dict(data=2, expert=4), 2), (dict(context=2, expert=4), 1)):
+        mesh = build_mesh({a: degrees.get(a, 1) for a in MESH_AXES})
+        with pytest.raises(ValueError, match="capacity groups"):
+            jax.jit(lambda **a: expert_parallel_ffn(**a, mesh=mesh, capacity_factor=1.0,
+                                                    capacity_group_rows=group_rows)).lower(**inputs)
+
+
+@pytest.mark.parametrize("degrees", [dict(expert=2, data=4), dict(tensor=2, data=4), dict(fsdp=4, tensor=2),
+                                     dict(data=8)], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_expert_parallel_bf16_gradients_compile(dropless, degrees):
+    """bf16 inputs, so the psums and the cotangent sums of replicated inputs are bf16 all-reduces: XLA CPU used to
+    abort the process compiling them (a sharding custom call at the root of their reduction). Dropless and
+    capacity; the values are checked loosely against fp32, as bf16 allows."""
+    inputs, cotangent, (y, _, _) = dropless
+    inputs = {k: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v for k, v in inputs.items()}
+    for capacity_factor in (None, 8.0):
+        (y_ep, _, grads_ep), _ = expert_parallel(dict(inputs), cotangent.astype(jnp.bfloat16), capacity_factor,
+                                                 **degrees)
+        assert y_ep.dtype == jnp.bfloat16 and all(np.all(np.isfinite(g.astype(np.float32)))
+                                                 for g in grads_ep.values())
+        np.testing.assert_allclose(np.asarray(y_ep, np.float32), y, rtol=0.1, atol=0.1)
 
 
 def test_expert_parallel_nests_inside_pipeline_stages(dropless):

@@ -6,19 +6,22 @@ their experts and back. Every expert is a SwiGLU, (silu(x @ gate_e) * (x @ up_e)
 - Dropless (`capacity_factor=None`): the T*K assignments are sorted by expert (stable argsort), their token rows
   gathered into one (A, D) matrix in which each expert's rows are one contiguous group, and each projection is
   one grouped matmul over the per-expert group sizes. Shapes are static (always A rows), whatever the routing.
-- Capacity (`capacity_factor=c`): each expert gets C = ceil(T*K/E * c) slots of an (E, C, D) buffer and the
-  FFNs are batched einsums. An assignment's slot is its rank among the assignments to its expert, counting all
-  first choices (k=0) in token order, then all second choices, ...: a token loses its later choices before any
-  token loses its first. Ranks >= C are dropped (they contribute zero). The buffer is filled by scattering token
-  indices and gathering rows, O(E*C*D) memory rather than a (T, E, C) one-hot.
+- Capacity (`capacity_factor=c`): capacity is counted per group of `group_rows` consecutive batch rows (GShard's
+  groups; 1 = per sequence), so that it does not depend on how the batch is split over devices as long as each
+  device holds whole groups. Each expert takes at most C = ceil(group_rows*S*K/E * c) assignments of each group:
+  an assignment's rank is its rank among its group's assignments to its expert, counting the group's first
+  choices (k=0) in token order, then its second choices, ...: a token loses its later choices before any token of
+  its group loses its first. Ranks >= C are dropped (they contribute zero). The G groups fill an (E, G*C, D)
+  buffer, group g in slots [g*C, (g+1)*C) of each expert, and the FFNs are batched einsums. The buffer is filled
+  by scattering token indices and gathering rows, O(E*G*C*D) memory rather than a (T, E, C) one-hot.
 
 The grouped matmul is `jax.lax.ragged_dot`, or on Hopper the Pallas Mosaic-GPU kernels behind a custom VJP
 (`grouped_matmul`). The pieces below also serve expert parallelism (`parallel/expert.py`), which adds only the
 all-to-alls between them.
 
 Shapes: B batch, S sequence, T = B*S tokens, D model, F expert ffn, E experts, K experts per token,
-A = T*K assignments (index t*K + k), C capacity slots per expert, R rows of a grouped matmul, G groups,
-N rows of a buffer, P expert-parallel ranks.
+A = T*K assignments (index t*K + k), C capacity slots per expert and group, R rows of a grouped matmul, G groups
+(of a grouped matmul, or of capacity), N rows of a buffer, P expert-parallel ranks.
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs_RK, rhs_GKN, sizes_G) -> out_RN
-IMPLS = ("auto", "ragged", "mgpu")
 _MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4)
 
 
@@ -81,32 +83,32 @@ def _mgpu_matmul(padded: bool) -> GroupedMatmul:
         jax.jit(lambda x, dy, sizes: transposed_ragged_dot(x, dy, group_sizes=sizes, **_MGPU_BLOCKS)), padded)
 
 
-def _mgpu_fits(dtype, D: int, F: int) -> bool:
-    """The Mosaic-GPU kernels need bf16, D and F multiples of their 128-wide tiles, and an H100/H200."""
-    if dtype != jnp.bfloat16 or D % 128 or F % 128 or jax.default_backend() != "gpu":
-        return False
-    return any(name in jax.devices()[0].device_kind for name in ("H100", "H200"))
-
-
-def check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"expert impl={impl!r}: expected one of {', '.join(IMPLS)}")
+def mgpu_unavailable(dtype, D: int, F: int, platform: str | None = None, device_kind: str | None = None) -> str | None:
+    """Why the Mosaic-GPU kernels cannot run here, or None: they need bf16, D and F (a tensor rank's slice)
+    multiples of their 128-wide tiles, an H100/H200, and a jax built with Mosaic GPU."""
+    platform = platform or jax.default_backend()
+    if platform != "gpu":
+        return f"needs a Hopper GPU, and this run has {platform} devices"
+    kind = device_kind or jax.devices()[0].device_kind
+    if not any(name in kind for name in ("H100", "H200")):
+        return f"needs a Hopper GPU (H100/H200), not {kind}"
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"needs model.dtype=bfloat16, not {jnp.dtype(dtype)}"
+    if D % 128 or F % 128:
+        return f"needs model and (per tensor rank) expert ffn dims divisible by 128, got {D} and {F}"
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: F401
+    except ImportError as e:
+        return f"Mosaic GPU does not import ({e})"
+    return None
 
 
 def matmul_for(impl: str, dtype, D: int, F: int, padded: bool = True) -> GroupedMatmul:
-    """The grouped matmul `impl` names; "auto" takes the Mosaic-GPU kernels where they fit and import.
-    `padded`: some rows belong to no group (see `grouped_matmul`)."""
-    check_impl(impl)
-    if impl == "mgpu":
-        if dtype != jnp.bfloat16 or D % 128 or F % 128:
-            raise ValueError(f"expert impl='mgpu' needs bf16 and model/ffn dims divisible by 128, got {dtype}, "
-                             f"D={D}, F={F}")
+    """The grouped matmul `impl` names ("auto": the Mosaic-GPU kernels where they run, else ragged_dot); the
+    validation pass has already refused an `mgpu` that cannot run. `padded`: some rows belong to no group (see
+    `grouped_matmul`)."""
+    if impl == "mgpu" or (impl == "auto" and mgpu_unavailable(dtype, D, F) is None):
         return _mgpu_matmul(padded)
-    if impl == "auto" and _mgpu_fits(dtype, D, F):
-        try:
-            return _mgpu_matmul(padded)
-        except ImportError:
-            pass
     return jax.lax.ragged_dot
 
 
@@ -206,56 +208,69 @@ def batched_ffn(x_PECD: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array, down_
     return jnp.einsum("pecf,efd->pecd", h_PECF, down_EFD)
 
 
-def capacity(tokens: int, K: int, E: int, capacity_factor: float) -> int:
-    """Slots per expert: the average load T*K/E times the factor, rounded up."""
+def capacity(group_tokens: int, K: int, E: int, capacity_factor: float) -> int:
+    """Slots per expert and group: a group's average load per expert, group_tokens*K/E, times the factor, rounded
+    up."""
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor={capacity_factor}: expected a positive number (or None: dropless)")
-    return math.ceil(tokens * K / E * capacity_factor)
+    return math.ceil(group_tokens * K / E * capacity_factor)
 
 
-def capacity_slots(experts_TK: jax.Array, E: int, C: int) -> tuple[jax.Array, jax.Array]:
-    """Slot of each assignment in a flat (E*C) buffer, expert*C + rank with first choices ranked first, or E*C
-    (past the buffer) when dropped; and the int32 count dropped."""
+def capacity_slots(experts_TK: jax.Array, E: int, C: int, group_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Slot of each assignment in a flat (E*G*C) buffer, expert*G*C + group*C + rank, the rank counted within its
+    group with first choices first, or E*G*C (past the buffer) when dropped; and the int32 count dropped.
+
+    Groups are consecutive runs of `group_tokens` tokens (whole batch rows)."""
     T, K = experts_TK.shape
-    rank_TK = group_ranks(experts_TK.T.reshape(-1), E).reshape(K, T).T
-    slot_TK = jnp.where(rank_TK < C, experts_TK * C + rank_TK, E * C)
-    return slot_TK.reshape(-1), jnp.sum(rank_TK >= C, dtype=jnp.int32)
+    if T % group_tokens:
+        raise ValueError(f"{T} tokens do not split into capacity groups of {group_tokens}")
+    G = T // group_tokens
+    experts_GKT = experts_TK.reshape(G, group_tokens, K).transpose(0, 2, 1)  # rank order: group, choice, token
+    group_GKT = jnp.broadcast_to(jnp.arange(G, dtype=experts_TK.dtype)[:, None, None], experts_GKT.shape)
+    rank_GKT = group_ranks((group_GKT * E + experts_GKT).reshape(-1), G * E).reshape(experts_GKT.shape)
+    slot_GKT = jnp.where(rank_GKT < C, (experts_GKT * G + group_GKT) * C + rank_GKT, E * G * C)
+    return slot_GKT.transpose(0, 2, 1).reshape(-1), jnp.sum(rank_GKT >= C, dtype=jnp.int32)
 
 
 def capacity_ffn(x_TD: jax.Array, experts_TK: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
-                 down_EFD: jax.Array, *, num_experts: int, C: int,
+                 down_EFD: jax.Array, *, num_experts: int, C: int, group_tokens: int,
                  exchange: Callable[[jax.Array], jax.Array] = lambda a: a) -> tuple[jax.Array, jax.Array]:
-    """Capacity-mode outputs per assignment (A, D) and the count dropped.
+    """Capacity-mode outputs per assignment (A, D) and the count dropped, C slots per expert and group of
+    `group_tokens` tokens.
 
-    The weights may hold a contiguous 1/P of the `num_experts`; `exchange` then swaps the (P, E/P, C, D) buffer's
-    leading dim between the P holders (an all-to-all) before and after the FFNs.
+    The weights may hold a contiguous 1/P of the `num_experts`; `exchange` then swaps the (P, E/P, G*C, D)
+    buffer's leading dim between the P holders (an all-to-all) before and after the FFNs.
     """
-    K = experts_TK.shape[1]
+    T, K = experts_TK.shape
     E_local, D = gate_EDF.shape[:2]
-    slot_A, dropped = capacity_slots(experts_TK, num_experts, C)
-    x_PECD = dispatch(x_TD, slot_A, K, num_experts * C).reshape(num_experts // E_local, E_local, C, D)
+    N = num_experts * (T // group_tokens) * C
+    slot_A, dropped = capacity_slots(experts_TK, num_experts, C, group_tokens)
+    x_PECD = dispatch(x_TD, slot_A, K, N).reshape(num_experts // E_local, E_local, -1, D)
     out_PECD = exchange(batched_ffn(exchange(x_PECD), gate_EDF, up_EDF, down_EFD))
-    return gather_rows(out_PECD.reshape(num_experts * C, D), slot_A), dropped
+    return gather_rows(out_PECD.reshape(N, D), slot_A), dropped
 
 
 def expert_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, gate_EDF: jax.Array,
-               up_EDF: jax.Array, down_EFD: jax.Array, *, capacity_factor: float | None,
+               up_EDF: jax.Array, down_EFD: jax.Array, *, capacity_factor: float | None, capacity_group_rows: int = 1,
                impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """sum_k weights[..., k] * FFN_{experts[..., k]}(x) on one device, and the int32 count of dropped assignments.
 
-    `impl` picks the dropless grouped matmul: "ragged" (`jax.lax.ragged_dot`), "mgpu" (Hopper, bf16, D and F
-    multiples of 128) or "auto" (mgpu where it fits, else ragged).
+    Capacity mode counts capacity per group of `capacity_group_rows` consecutive rows of the batch (B must be a
+    multiple). `impl` picks the dropless grouped matmul: "ragged" (`jax.lax.ragged_dot`), "mgpu" (Hopper, bf16,
+    D and F multiples of 128) or "auto" (mgpu where it fits, else ragged).
     """
     B, S, D = x_BSD.shape
     K = experts_BSK.shape[-1]
     E, _, F = gate_EDF.shape
-    check_impl(impl)
     x_TD, experts_TK = x_BSD.reshape(B * S, D), experts_BSK.reshape(B * S, K)
     if capacity_factor is None:
         matmul = matmul_for(impl, x_BSD.dtype, D, F, padded=False)
         out_AD = dropless_ffn(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, matmul)
         dropped = jnp.zeros((), jnp.int32)
     else:
-        C = capacity(B * S, K, E, capacity_factor)
-        out_AD, dropped = capacity_ffn(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, num_experts=E, C=C)
+        if B % capacity_group_rows:
+            raise ValueError(f"{B} batch rows do not split into capacity groups of {capacity_group_rows} rows")
+        C = capacity(capacity_group_rows * S, K, E, capacity_factor)
+        out_AD, dropped = capacity_ffn(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, num_experts=E, C=C,
+                                       group_tokens=capacity_group_rows * S)
     return combine(out_AD, weights_BSK.reshape(B * S, K)).reshape(B, S, D), dropped

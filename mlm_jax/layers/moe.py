@@ -95,7 +95,8 @@ class MoE(nnx.Module):
         run = ax.kernel(ax.EXPERT_FFN) or expert_ffn
         y_BSD, dropped = run(x_BSD.astype(self.dtype), experts_BSK, weights_BSK.astype(self.dtype),
                              w.gate[...].astype(self.dtype), w.up[...].astype(self.dtype),
-                             w.down[...].astype(self.dtype), capacity_factor=m.capacity_factor, impl=m.impl)
+                             w.down[...].astype(self.dtype), capacity_factor=m.capacity_factor,
+                             capacity_group_rows=m.capacity_group_rows, impl=m.impl)
         stats["dropped"] = dropped.astype(jnp.float32) / (experts_BSK.size)  # fraction of assignments dropped
         if hasattr(self, "shared"):
             y_BSD = y_BSD + self.shared(x_BSD)

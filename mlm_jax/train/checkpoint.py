@@ -5,11 +5,14 @@ counters), both in the canonical layout (logical shapes, no mesh), and `meta` (J
 the seed that fixes initialisation and data order, and the resolved config). A weights-only checkpoint (a converted
 model) has no `train` item. Restoring reads into shardings of the *current*
 mesh, so any layout resumes any other. orbax writes into a temporary directory and renames it when complete, so
-a process killed mid-save leaves nothing that `latest` would pick up.
+a process killed mid-save leaves nothing that `latest` would pick up. A checkpoint that is complete but unreadable
+(a damaged disk) is skipped on resume and moved aside, never deleted, so that the run writes that step afresh.
 """
 from __future__ import annotations
 
+import json
 import os
+import time
 from typing import Any
 
 import jax
@@ -95,51 +98,154 @@ def locate(path: str) -> tuple[str, list[int]]:
     return path, []
 
 
-def _warn_unreadable(directory: str, step: int, e: Exception) -> None:
+# What fixes the order of the training samples: the token stream that `build_datasets` makes of `data.*` (the embedded
+# corpus or the blend of `data.paths`), permuted by `train.seed`. `max_bytes` only caps the embedded corpus;
+# `weights` and `tokenizer` only matter for prepared directories.
+_ORDER_KEYS = {"embedded": ("train.seed", "data.paths", "data.validation_fraction", "data.max_bytes"),
+               "paths": ("train.seed", "data.paths", "data.weights", "data.tokenizer", "data.validation_fraction")}
+# A new batch size or sequence length is a deliberate change of the run's shape (step s then reads samples from
+# s x the new batch size on): allowed on resume, and reported at start-up.
+SHAPE_KEYS = ("train.global_batch_size", "train.seq_len")
+
+
+_MISSING = object()
+
+
+def _get(config: dict, key: str):
+    section, name = key.split(".")
+    return (config.get(section) or {}).get(name, _MISSING)
+
+
+def data_order_keys(saved: dict, current: dict) -> list[str]:
+    """The keys that fix the data order under either config (`Config.to_dict()` form)."""
+    kinds = {"paths" if (c.get("data") or {}).get("paths") else "embedded" for c in (saved, current)}
+    keys = [k for kind in ("paths", "embedded") if kind in kinds for k in _ORDER_KEYS[kind]]
+    return list(dict.fromkeys(keys))
+
+
+def config_changes(saved: dict, current: dict, keys) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) for each of `keys` that differs; a key the saved config lacks is skipped."""
+    out = []
+    for key in keys:
+        old, new = _get(saved, key), _get(current, key)
+        if old is not _MISSING and old != new:
+            out.append((key, old, new))
+    return out
+
+
+def show_value(value) -> str:
+    """A config value as one would write it in an override (`key=value`)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _first_line(e: Exception) -> str:
+    return next((line.strip()[:200] for line in str(e).splitlines() if line.strip()), type(e).__name__)
+
+
+def _aside_path(directory: str, step: int) -> str:
+    """`<step>.unreadable-<time>`: no digits-only name and no `_<digits>` suffix, so orbax never lists it as a step."""
+    base = os.path.join(directory, f"{step}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def _move_aside(directory: str, failed: list[tuple[int, str]], restored: int) -> None:
+    """Renames the unreadable checkpoints newer than `restored`, so that the next save at their step writes a complete
+    checkpoint (a save at an existing step is skipped). Process 0 renames and reports; all processes read the same
+    directory, so the others wait for it at a barrier (only on this path)."""
+    if jax.process_index() == 0:
+        for step, reason in failed:
+            src, dst = os.path.join(directory, str(step)), _aside_path(directory, step)
+            try:
+                os.rename(src, dst)
+            except OSError as e:
+                raise CheckpointError(f"checkpoint {src} is unreadable ({reason}) and cannot be moved aside: "
+                                      f"{e.strerror or e}") from None
+            print(f"warning: checkpoint {src} is unreadable ({reason}); moved aside to {dst}; "
+                  f"resuming from {directory}/{restored}")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("mlm_jax: unreadable checkpoints moved aside")
+
+
+def _warn_unreadable(directory: str, failed: list[tuple[int, str]], used: int) -> None:
     """Printed by process 0 only: every process reads the same checkpoint and fails the same way."""
     if jax.process_index() == 0:
-        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        print(f"warning: checkpoint {directory}/{step} is unreadable ({reason}); trying the previous one")
+        for step, reason in failed:
+            print(f"warning: checkpoint {directory}/{step} is unreadable ({reason}); using {directory}/{used}")
 
 
-def restore(directory: str, steps: list[int], abstract_state: TrainState) -> tuple[TrainState, dict]:
+def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+    """The `meta` JSON of a checkpoint alone: cheap, and no array is read."""
+    return dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+
+def restore(directory: str, steps: list[int], abstract_state: TrainState, check=None,
+            move_aside: bool = False) -> tuple[TrainState, dict]:
     """The newest readable checkpoint among `steps`, resharded onto `abstract_state`'s shardings.
 
-    An unreadable checkpoint is reported and the previous one is tried.
+    `check(step, meta)` sees a checkpoint's meta before any of its arrays is read, and may raise: nothing has been
+    written or moved then. An unreadable checkpoint is skipped for the previous one; once one is restored, the
+    newer unreadable ones are reported and, with `move_aside` (the run's own directory), renamed to
+    `<step>.unreadable-<time>` (kept, never deleted), so that this run's next save at their step is written.
     """
     manager = _manager(directory, None, create=False)
+    failed: list[tuple[int, str]] = []
     try:
         for step in sorted(steps, reverse=True):
             try:
+                meta = read_meta(manager, step)
+            except Exception as e:  # noqa: BLE001 - any failure to read means: fall back to the previous one
+                failed.append((step, _first_line(e)))
+                continue
+            if check is not None:
+                check(step, meta)
+            try:
                 out = manager.restore(step, args=ocp.args.Composite(
                     params=ocp.args.StandardRestore(abstract_state.params),
-                    train=ocp.args.StandardRestore(_train_items(abstract_state)), meta=ocp.args.JsonRestore()))
-            except Exception as e:  # noqa: BLE001 - any failure to read means: fall back to the previous one
-                _warn_unreadable(directory, step, e)
+                    train=ocp.args.StandardRestore(_train_items(abstract_state))))
+            except Exception as e:  # noqa: BLE001
+                failed.append((step, _first_line(e)))
                 continue
             t: dict[str, Any] = out.train
-            return TrainState(step=t["step"], params=out.params, opt_state=t["opt_state"],
-                              skipped_steps=t["skipped_steps"]), dict(out.meta)
+            state = TrainState(step=t["step"], params=out.params, opt_state=t["opt_state"],
+                               skipped_steps=t["skipped_steps"])
+            break
+        else:
+            raise CheckpointError(f"no readable checkpoint in {directory} (tried steps {sorted(steps)}; "
+                                  f"step {failed[0][0]}: {failed[0][1]})")
     finally:
         manager.close()
-    raise CheckpointError(f"no readable checkpoint in {directory} (tried steps {sorted(steps)})")
+    if failed:
+        (_move_aside if move_aside else _warn_unreadable)(directory, failed, step)
+    return state, meta
 
 
 def restore_params(path: str, abstract_params) -> tuple[Any, dict]:
-    """Weights only (for `checkpoint.init_from`): the newest readable checkpoint at `path`."""
+    """Weights only (for `checkpoint.init_from`): the newest readable checkpoint at `path`.
+
+    An unreadable one is reported and skipped but left where it is: `path` is another run's directory, which
+    this run does not write to (and whose own resume moves it aside).
+    """
     directory, steps = locate(path)
     if not steps:
         raise CheckpointError(f"checkpoint.init_from={path}: no checkpoint found there")
     manager = _manager(directory, None, create=False)
+    failed: list[tuple[int, str]] = []
     try:
         for step in sorted(steps, reverse=True):
             try:
                 out = manager.restore(step, args=ocp.args.Composite(
                     params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()))
-                return out.params, dict(out.meta)
             except Exception as e:  # noqa: BLE001
-                _warn_unreadable(directory, step, e)
+                failed.append((step, _first_line(e)))
+                continue
+            _warn_unreadable(directory, failed, step)
+            return out.params, dict(out.meta)
     finally:
         manager.close()
-    raise CheckpointError(f"checkpoint.init_from={path}: no readable checkpoint")
-
+    raise CheckpointError(f"checkpoint.init_from={path}: no readable checkpoint (step {failed[0][0]}: "
+                          f"{failed[0][1]})")

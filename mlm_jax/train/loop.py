@@ -21,7 +21,7 @@ from mlm_jax.config import Config, ConfigError, to_yaml
 from mlm_jax.layers import axes as ax
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import any_process, shared_time
-from mlm_jax.parallel.mesh import accumulation_steps, build_mesh, dcn_degrees, resolve_degrees
+from mlm_jax.parallel.mesh import build_mesh, dcn_degrees
 from mlm_jax.parallel.kernels import parallel_kernels
 from mlm_jax.parallel.pipeline import pipeline_value_and_grad
 from mlm_jax.parallel.schedule import SCHEDULES, theoretical_bubble
@@ -32,7 +32,8 @@ from mlm_jax.train.loss import cross_entropy
 from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import (TrainState, abstract_state, init_params, init_state, model_spec,
                                  opt_state_shardings, state_shardings)
-from mlm_jax.train.step import make_eval_step, make_train_step
+from mlm_jax.train.step import make_eval_step, make_grad_fn, make_train_step
+from mlm_jax.validation import plan
 
 
 class TrainingStopped(RuntimeError):
@@ -44,8 +45,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, devices=None):
         devices = list(devices) if devices is not None else jax.devices()
-        self.degrees = resolve_degrees(cfg, len(devices))
-        self.accum_steps = accumulation_steps(cfg, self.degrees)
+        self.plan = plan(cfg, devices)  # every rule checked before anything is traced or written
+        self.degrees, self.accum_steps = self.plan.degrees, self.plan.accum_steps
         if cfg.train.output_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(shared_time()))  # one name on every process
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=f"runs/{cfg.name}-{stamp}"))
@@ -96,9 +97,11 @@ class Trainer:
         opt_shardings = opt_state_shardings(self.tx, self.spec.shapes, self.master_shardings, mesh)
         abstract = abstract_state(self.tx, self.spec.shapes, self.master_shardings, opt_shardings, mesh)
         c = cfg.checkpoint
-        self.checkpointer = ckpt.Checkpointer(c.dir, c.every, c.keep)
         self.resumed_from = None
+        # _resume before the Checkpointer (which creates the directory): a refused resume writes nothing, and the
+        # manager lists the steps only after unreadable checkpoints are moved aside
         resumed = self._resume(abstract)
+        self.checkpointer = ckpt.Checkpointer(c.dir, c.every, c.keep)
         if resumed is not None:
             self.state: TrainState = resumed
             return
@@ -109,7 +112,12 @@ class Trainer:
         self.state = init_state(self.tx, params, opt_shardings, mesh)
 
     def _resume(self, abstract: TrainState) -> TrainState | None:
-        """`checkpoint.resume`: auto (the newest complete checkpoint in `checkpoint.dir`), none, or a path."""
+        """`checkpoint.resume`: auto (the newest complete checkpoint in `checkpoint.dir`), none, or a path.
+
+        Refuses (before anything is read but the meta JSON) to continue with another seed or data blend than the
+        checkpoint's, which would change the data order, unless `checkpoint.allow_data_change`. A new batch size
+        or sequence length is allowed and reported in `resumed_from`.
+        """
         c = self.cfg.checkpoint
         if c.resume == "none":
             return None
@@ -121,8 +129,26 @@ class Trainer:
             directory, steps = ckpt.locate(c.resume)
             if not steps:
                 raise ConfigError(f"checkpoint.resume={c.resume}: no checkpoint found there")
-        state, meta = ckpt.restore(directory, steps, abstract)
-        self.resumed_from = f"{directory}/{meta['step']}"
+        current = self.cfg.to_dict()
+        noted: list[str] = []
+
+        def check(step: int, meta: dict) -> None:
+            saved = meta.get("config") or {}
+            order = ckpt.config_changes(saved, current, ckpt.data_order_keys(saved, current))
+            if order and not c.allow_data_change:
+                where = f"{directory}/{step}"
+                was = ", ".join(f"{k}={ckpt.show_value(old)}" for k, old, _ in order)
+                now = ", ".join(f"{k}={ckpt.show_value(new)}" for k, _, new in order)
+                raise ConfigError(
+                    f"checkpoint.resume: {where} was written with {was}; this run has {now}: resuming would change "
+                    f"the data order (set checkpoint.allow_data_change=true to accept, or checkpoint.init_from={where}"
+                    f" with another train.output_dir to start a new run from its weights)")
+            noted[:] = [f"{k} {ckpt.show_value(old)} -> {ckpt.show_value(new)}"
+                        for k, old, new in order + ckpt.config_changes(saved, current, ckpt.SHAPE_KEYS)]
+
+        move_aside = os.path.abspath(directory) == os.path.abspath(c.dir)  # only this run's own checkpoints
+        state, meta = ckpt.restore(directory, steps, abstract, check=check, move_aside=move_aside)
+        self.resumed_from = f"{directory}/{meta['step']}" + (f" ({', '.join(noted)})" if noted else "")
         return state
 
     def _build_steps(self) -> None:
@@ -136,16 +162,18 @@ class Trainer:
                                          schedule=self.schedule, loss_fn=cross_entropy)
         moe = cfg.model.moe if cfg.model.moe.enabled else None
         kernels, prepare = parallel_kernels(cfg, self.mesh, self.degrees)
-        step = make_train_step(
-            self.spec.graphdef, self.tx, accum_steps=self.accum_steps, resolver=self.resolver,
+        grads = make_grad_fn(
+            self.spec.graphdef, accum_steps=self.accum_steps, resolver=self.resolver,
             master_shardings=self.master_shardings,
             compute_shardings=shd.named(self.mesh, self.param_specs) if zero1 else None,
-            compute_dtype=jnp.dtype(cfg.model.dtype), lr_schedule=self.lr_schedule, pipeline=pipeline, moe=moe,
-            kernels=kernels, prepare=prepare)
+            compute_dtype=jnp.dtype(cfg.model.dtype), pipeline=pipeline, moe=moe, kernels=kernels, prepare=prepare)
+        step = make_train_step(self.tx, grads, lr_schedule=self.lr_schedule, moe=moe)
         shardings = state_shardings(self.state)
         batch_shardings = {"inputs": self.batch_sharding, "targets": self.batch_sharding}
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
                                    out_shardings=(shardings, None), donate_argnums=0)
+        self._grads = jax.jit(grads, in_shardings=(self.master_shardings, batch_shardings),
+                              out_shardings=(None, self.master_shardings))
         self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver, moe, kernels, prepare),
                                   in_shardings=(self.master_shardings, batch_shardings))
         self._compiled = None
@@ -159,6 +187,13 @@ class Trainer:
     def model(self) -> nnx.Module:
         """The model with the current weights, callable as `model(tokens_BS) -> logits_BSV`."""
         return nnx.merge(self.spec.graphdef, self.state.params)
+
+    def gradients(self) -> tuple[dict, dict]:
+        """(metrics, gradients) of the next step's batch at the current weights, computed exactly as the train step
+        computes them (same layout, microbatches, pipeline and kernels) but without an update; the gradients are
+        in the master weights' layout."""
+        batch = data_lib.global_batch(self.loader, int(self.state.step), self.batch_sharding)
+        return self._grads(self.state.params, batch)
 
     def evaluate(self) -> float:
         """Mean loss over `train.eval_batches` fixed validation batches."""
@@ -212,13 +247,8 @@ class Trainer:
                 window_steps += 1
                 done = step + 1
                 profiler.after(done, self.state)
-                if t.nan_policy == "stop" and int(pending["skipped_steps"]) > skipped:
-                    self.save()
-                    self.checkpointer.wait()
-                    raise TrainingStopped(
-                        f"non-finite loss or gradient at step {done} (train.nan_policy=stop): the update was "
-                        f"dropped and the last good weights saved to {self.checkpointer.directory}/{done}")
-                if done % t.log_every == 0 or done == end:
+                logged = done % t.log_every == 0 or done == end  # the steps whose metrics the host fetches
+                if logged:
                     pending = jax.device_get(pending)
                     elapsed = time.perf_counter() - window_start
                     rec = {"step": done, **{k: mt.plain(v) for k, v in pending.items()}}
@@ -227,13 +257,15 @@ class Trainer:
                     rec["step_time_s"] = elapsed / window_steps
                     records.append(rec)
                     self.log.write(rec)
+                    if t.nan_policy == "stop" and pending["skipped_steps"] > skipped:
+                        self._stop_on_nan(done - window_steps + 1, done, int(pending["skipped_steps"]) - skipped)
                     window_start, window_steps = time.perf_counter(), 0
                 if t.eval_every and (done % t.eval_every == 0 or done == end):
                     rec = {"step": done, "eval_loss": self.evaluate()}
                     records.append(rec)
                     self.log.write(rec)
                     window_start = time.perf_counter()
-                stopping = stop.agreed()
+                stopping = stop.agreed(logged)
                 if self.checkpointer.due(done) or done == t.steps or stopping:
                     self.save()
                 if stopping:
@@ -251,6 +283,16 @@ class Trainer:
             self.checkpointer.wait()
         return records
 
+    def _stop_on_nan(self, first: int, last: int, dropped: int) -> None:
+        """`train.nan_policy=stop`, checked on logged steps only (no host wait on the others): every non-finite
+        update was dropped, so the weights saved here hold only finite ones."""
+        self.save()
+        self.checkpointer.wait()
+        where = f"step {last}" if first == last else f"steps {first}..{last}"
+        raise TrainingStopped(
+            f"non-finite loss or gradient in {where} (train.nan_policy=stop): {dropped} update(s) dropped, the "
+            f"weights saved to {self.checkpointer.directory}/{last}")
+
     def _startup_report(self) -> None:
         cfg = self.cfg
         layout = " x ".join(f"{a}={n}" for a, n in self.degrees.items() if n > 1) or "single device"
@@ -259,6 +301,8 @@ class Trainer:
               f"{cfg.train.seq_len} tokens, {self.accum_steps} microbatch(es) | compiled in "
               f"{self.compile_time_s:.1f}s | output {cfg.train.output_dir}")
         print(f"data: {self.data.description}")
+        experts = f" | experts: {self.plan.experts}" if self.plan.experts else ""
+        print(f"kernels: attention: {self.plan.attention}{experts}")
         if self.schedule is not None:
             s = self.schedule
             print(f"pipeline: {s.kind}, {s.stages} stages x {s.virtual} virtual, {s.microbatches} microbatches, "
@@ -311,8 +355,12 @@ class _StopSignal:
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
 
-    def agreed(self) -> str | None:
-        """The signal, once any process has received one: all processes stop after the same step."""
+    def agreed(self, logged: bool) -> str | None:
+        """The signal, once any process has received one: all processes stop after the same step. Several
+        processes agree only on logged steps, which wait for the device anyway, so a signal is acted on within one
+        logging interval."""
+        if jax.process_count() > 1 and not logged:
+            return None
         if any_process(self.received is not None):
             self.received = self.received or "a signal on another process"
         return self.received
