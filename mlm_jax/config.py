@@ -251,11 +251,6 @@ def _all_keys() -> list[str]:
     return [k for s, t in _SECTION_TYPES.items() for k in _keys(s, t)]
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    return {k: v for name, value in d.items() for k, v in
-            (_flat(value, f"{prefix}{name}.").items() if isinstance(value, dict) else [(f"{prefix}{name}", value)])}
-
-
 def _unknown(key: str) -> ConfigError:
     close = difflib.get_close_matches(key, _all_keys() + list(SECTIONS), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]}?)" if close else ""

@@ -15,6 +15,7 @@ Only this module and the data loader (which must open files to check them) raise
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from dataclasses import dataclass
@@ -281,8 +282,11 @@ def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: s
         key = f"model.attention_impl={m.attention_impl}" if m.attention_impl == kernel else f"model.dtype={dtype}"
         raise ConfigError(f"{key}: {reason}")
     chosen = {"cudnn": "cudnn (flash attention)", "xla": "xla", "te": "te (Transformer Engine fused attention)"}
-    attn = chosen[kernel] + (f", context-parallel {cfg.parallel.context_strategy} over {d['context']} ranks"
-                             if d["context"] > 1 else "")
+    attn = chosen[kernel]
+    if m.attention_impl == "auto" and kernel == "xla":
+        attn += f" (cudnn: {attention.unavailable('cudnn', dtype, platform).split(';')[0]})"
+    if d["context"] > 1:
+        attn += f", context-parallel {cfg.parallel.context_strategy} over {d['context']} ranks"
     if not m.moe.enabled:
         return attn, None
     if m.moe.capacity_factor is not None:
@@ -295,6 +299,51 @@ def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: s
         why = f" (mgpu: {reason})" if m.moe.impl == "auto" else ""
         return attn, f"dropless, jax.lax.ragged_dot{why}"
     return attn, "dropless, mgpu (Pallas Mosaic-GPU grouped GEMM)"
+
+
+# -- resuming -------------------------------------------------------------------------------------------------------
+# What fixes the order of the training samples: the token stream that `build_datasets` makes of `data.*` (the embedded
+# corpus or the blend of `data.paths`), permuted by `train.seed`. `max_bytes` only caps the embedded corpus;
+# `weights` and `tokenizer` only matter for prepared directories.
+_ORDER_KEYS = {"embedded": ("train.seed", "data.paths", "data.validation_fraction", "data.max_bytes"),
+               "paths": ("train.seed", "data.paths", "data.weights", "data.tokenizer", "data.validation_fraction")}
+# A new batch size or sequence length is a deliberate change of the run's shape (step s then reads samples from
+# s x the new batch size on): allowed on resume, and reported at start-up.
+_SHAPE_KEYS = ("train.global_batch_size", "train.seq_len")
+_MISSING = object()
+
+
+def _changes(saved: dict, current: dict, keys) -> list[tuple[str, typing.Any, typing.Any]]:
+    """(key, saved value, current value) for each of `keys` that differs; a key the saved config lacks is skipped."""
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        old, new = (saved.get(section) or {}).get(name, _MISSING), current[section][name]
+        if old is not _MISSING and old != new:
+            out.append((key, old, new))
+    return out
+
+
+def _shown_value(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def check_resume(cfg: Config, saved: dict, where: str) -> list[str]:
+    """Resuming the checkpoint at `where`, whose resolved config was `saved` (`Config.to_dict()` form): refuses a
+    changed data order unless `checkpoint.allow_data_change`; returns the allowed changes as `key old -> new`."""
+    current = cfg.to_dict()
+    kinds = {"paths" if (c.get("data") or {}).get("paths") else "embedded" for c in (saved, current)}
+    order = _changes(saved, current, dict.fromkeys(k for kind in ("paths", "embedded") if kind in kinds
+                                                   for k in _ORDER_KEYS[kind]))
+    if order and not cfg.checkpoint.allow_data_change:
+        was = ", ".join(f"{k}={_shown_value(old)}" for k, old, _ in order)
+        now = ", ".join(f"{k}={_shown_value(new)}" for k, _, new in order)
+        raise ConfigError(
+            f"checkpoint.resume: {where} was written with {was}; this run has {now}: resuming would change the data "
+            f"order (set checkpoint.allow_data_change=true to accept, or checkpoint.init_from={where} with another "
+            f"train.output_dir to start a new run from its weights)")
+    return [f"{k} {_shown_value(old)} -> {_shown_value(new)}"
+            for k, old, new in order + _changes(saved, current, _SHAPE_KEYS)]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The real CLI in a subprocess: every bad input is one `error: ...` line on stderr and exit code 2."""
+"""The real CLI in a subprocess: every bad input is one `error: ...` line on stderr, exit code 2, and no output
+directory (`test_bad_input.py` has many more cases, in-process)."""
 import os
 import subprocess
 import sys
@@ -61,7 +62,9 @@ def test_bad_input_is_one_error_line_and_exit_code_2(tmp_path, args, expected):
     for name, text in BROKEN_YAML.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00model: {}\n")
-    result = run_cli(*(a.replace("{tmp}", str(tmp_path)) for a in args))
+    out = tmp_path / "out"
+    result = run_cli(*(a.replace("{tmp}", str(tmp_path)) for a in args), f"train.output_dir={out}")
+    assert not out.exists()  # refused before anything is written
     err = result.stderr
     assert "Traceback" not in err, err
     assert err.startswith("error: ") and err.strip().count("\n") == 0, err

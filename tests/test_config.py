@@ -222,3 +222,22 @@ def test_nested_moe_keys_from_overrides_and_yaml(tmp_path):
 def test_bad_nested_keys_are_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["model.moe.num_experts=4", override])
+
+
+# -- what runs -----------------------------------------------------------------------------------------------------
+def test_plan_names_the_kernels_chosen_and_why_auto_fell_back():
+    import jax
+
+    from mlm_jax.validation import plan
+    dense = plan(load_config(overrides=["parallel.tensor=2"]), jax.devices())
+    assert dense.degrees["tensor"] == 2 and dense.accum_steps == 1 and dense.experts is None
+    assert dense.attention == "xla (cudnn: cuDNN attention needs an NVIDIA GPU, and this run has cpu devices)"
+    moe = plan(load_config(overrides=["model.moe.num_experts=4", "parallel.context=2", "parallel.data=4"]),
+               jax.devices())
+    assert moe.attention.endswith("context-parallel allgather over 2 ranks")
+    assert moe.experts == "dropless, jax.lax.ragged_dot (mgpu: needs a Hopper GPU, and this run has cpu devices)"
+    ragged = plan(load_config(overrides=["model.moe.num_experts=4", "model.moe.impl=ragged"]), jax.devices())
+    assert ragged.experts == "dropless, jax.lax.ragged_dot"
+    capacity = plan(load_config(overrides=["model.moe.num_experts=4", "model.moe.capacity_factor=1.0"]),
+                    jax.devices())
+    assert capacity.experts.startswith("capacity")

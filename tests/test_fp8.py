@@ -63,6 +63,24 @@ def test_fp8_einsum_and_its_gradients_approximate_the_exact_ones(equation, x_sha
         assert 1e-3 < rel(got, ref) < 0.08  # e5m2 gradients carry one mantissa bit less
 
 
+def test_fp8_einsum_in_float16_stays_finite_and_accurate():
+    """The unscaled fp8 products (448^2, and 448 * 57344 for e5m2 gradients, per term) overflow float16: the dots
+    return fp32 and only the scaled result is cast."""
+    equation = "bsd,df->bsf"
+    kx, kw, kg = jax.random.split(jax.random.key(2), 3)
+    x_BSD = jax.random.normal(kx, (2, 64, 2048)).astype(jnp.float16)
+    w_DF = (jax.random.normal(kw, (2048, 256)) * 0.02).astype(jnp.float16)
+    g_BSF = jax.random.normal(kg, (2, 64, 256)).astype(jnp.float16)
+    f32 = lambda a: a.astype(jnp.float32)
+    y_exact, vjp_exact = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), f32(x_BSD), f32(w_DF))
+    y_fp8, vjp_fp8 = jax.vjp(lambda x, w: fp8_einsum(equation, x, w), x_BSD, w_DF)
+    assert y_fp8.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(y_fp8)))
+    assert 1e-3 < rel(y_fp8, y_exact) < 0.05
+    for got, ref in zip(vjp_fp8(g_BSF), vjp_exact(f32(g_BSF))):
+        assert got.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(got)))
+        assert 1e-3 < rel(got, ref) < 0.08
+
+
 def test_fp8_program_contains_fp8_dots():
     x, w = jnp.ones((2, 8, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
     f = jax.jit(jax.value_and_grad(lambda x, w: fp8_einsum("bsd,df->bsf", x, w).astype(jnp.float32).sum(), (0, 1)))

@@ -106,6 +106,37 @@ def test_a_dead_process_stops_the_others(tmp_path, how):
     assert re.search(died, output), output[-2000:]
 
 
+def test_sigterm_on_one_process_stops_all_on_the_same_logged_step_with_a_checkpoint(tmp_path):
+    """Signals are agreed on logged steps only (no host sync on the others): every process stops after the same
+    logged step, within one logging interval, and the checkpoint of that step is complete."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [*RUN, "train.steps=100000", "train.log_every=3", "parallel.fsdp=8", f"train.output_dir={tmp_path}",
+            "checkpoint.every=0"]
+    procs = [subprocess.Popen([sys.executable, "-u", "-m", "mlm_jax.train", "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i), *args],
+                              cwd=REPO, env=cpu_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        for line in procs[0].stdout:
+            if line.startswith("step 3/"):
+                break
+        procs[1].send_signal(signal.SIGTERM)
+        out0, _ = procs[0].communicate(timeout=120)
+        out1, _ = procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, out0 + out1
+    saved = re.search(r"received a signal on another process: saved checkpoint at step (\d+)", out0)
+    assert saved, out0
+    step = int(saved.group(1))
+    assert step % 3 == 0 and step >= 3  # a logged step (process 1 may not have reached step 3 at the signal)
+    assert (tmp_path / "checkpoints" / str(step)).is_dir()
+
+
 def test_launcher_prefixes_lines_and_exits_with_the_failing_code(tmp_path):
     result = launch(2, ["parallel.dcn_data=4"], tmp_path, timeout=60)
     assert result.returncode == 2

@@ -23,6 +23,7 @@ def test_cli_writes_config_and_metrics(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "rules (first match wins)" in result.stdout and "blocks/attn/q/kernel" in result.stdout
+    assert "kernels: attention: xla (cudnn: cuDNN attention needs an NVIDIA GPU" in result.stdout
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["train"]["steps"] == 4 and saved["name"] == "tiny"
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,11 +1,11 @@
 """FP8 matmuls through XLA (Hopper): e4m3 operands forward, e5m2 gradients backward, current scaling.
 
 Each operand is scaled by its own max magnitude (taken this step, so no amax history lives in the train state),
-cast to fp8 and fed to an fp8 `dot_general` that accumulates in fp32 and returns `dtype`; the product is then
-multiplied by the two scales. XLA lowers fp8 dots to cuBLASLt fp8 GEMMs on Hopper and emulates them elsewhere,
-so CPU tests check the numerics of the same program. The backward pass keeps the fp8 copies of the inputs as
-residuals (half the memory of bf16) and quantizes the incoming gradient to e5m2, which has the range gradients
-need.
+cast to fp8 and fed to an fp8 `dot_general` that accumulates in fp32 and returns `dtype` (fp32 for float16, whose
+range the unscaled product overflows); the product is then multiplied by the two scales. XLA lowers fp8 dots to
+cuBLASLt fp8 GEMMs on Hopper and emulates them elsewhere, so CPU tests check the numerics of the same program.
+The backward pass keeps the fp8 copies of the inputs as residuals (half the memory of bf16) and quantizes the
+incoming gradient to e5m2, which has the range gradients need.
 """
 from __future__ import annotations
 
@@ -34,7 +34,15 @@ def operands(equation: str) -> tuple[str, str, str]:
 
 
 def _dot(equation: str, a, b, scale, dtype) -> jax.Array:
-    return jnp.einsum(equation, a, b, preferred_element_type=dtype) * scale.astype(dtype)
+    """The fp8 product times `scale`, in `dtype`.
+
+    The unscaled product reaches (fp8 max)^2 * contraction size (448^2 * 2048 = 4e8), past float16's 65504, so a
+    float16 product comes out of the dot in fp32 and is scaled there. bfloat16 has fp32's range and stays the
+    dot's output type: on an H200 XLA fuses the scale into the cuBLASLt fp8 GEMM with either output, but an fp32
+    one doubles what the GEMM writes and adds a cast pass (8192x2048x8192: 306 us with bf16 out, 408 with fp32).
+    """
+    out = jnp.float32 if dtype == jnp.float16 else dtype
+    return (jnp.einsum(equation, a, b, preferred_element_type=out) * scale.astype(out)).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -53,6 +53,10 @@ def _at(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
+def _f32(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
 def _zeros(tree, dtype=None):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
 
@@ -129,12 +133,14 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layer
                 return st.loss(rest, st.chunk(rest, chunk_blocks, x, m), m)
             loss, vjp = jax.vjp(f, _at(blocks, v), rest, x)
             g_blocks, g_rest, g_x = vjp(jnp.ones_like(loss))
-            return loss, g_blocks, g_rest, g_x
+            # fp32 whatever the weights' dtype (bf16 weights, or ZeRO-1's bf16 copies): every branch of the `cond`s
+            # returns the fp32 accumulators' dtype, which the idle branches' zeros have
+            return loss.astype(jnp.float32), _f32(g_blocks), _f32(g_rest), g_x
 
         def backward_mid(x, g, v, m):
             _, vjp = jax.vjp(lambda cb, x: st.chunk(rest, cb, x, m), _at(blocks, v), x)
             g_blocks, g_x = vjp(g)
-            return jnp.zeros((), jnp.float32), g_blocks, zero_rest, g_x
+            return jnp.zeros((), jnp.float32), _f32(g_blocks), zero_rest, g_x
 
         def backward(x, g, v, m):
             loss, g_blocks, g_rest, g_x = jax.lax.cond((v == V - 1) & (p == P - 1), backward_last, backward_mid,
@@ -142,11 +148,10 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layer
 
             def embedding_grad():
                 _, vjp = jax.vjp(lambda r: st.embed(r, m), rest)
-                return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_rest, vjp(g_x)[0])
+                return jax.tree.map(jnp.add, g_rest, _f32(vjp(g_x)[0]))
 
-            g_rest = jax.lax.cond((v == 0) & (p == 0), embedding_grad,
-                                  lambda: jax.tree.map(lambda a: a.astype(jnp.float32), g_rest))
-            return loss.astype(jnp.float32), g_blocks, g_rest, g_x
+            g_rest = jax.lax.cond((v == 0) & (p == 0), embedding_grad, lambda: g_rest)
+            return loss, g_blocks, g_rest, g_x
 
         def tick(carry, t):
             act_in, grad_in, stash, g_blocks, g_rest, loss = carry
@@ -188,8 +193,14 @@ def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers):
     ticks = M * V + P - 1  # the forward half of the table; autodiff runs the rest
     to_next = [(i, (i + 1) % P) for i in range(P)]
 
+    # The stage-replicated `rest` enters in fp32 and is cast back inside, so that the psum over stages that autodiff
+    # puts on its gradient is fp32: jax (0.10) lowers a bf16 psum in a partially manual shard_map with a sharding
+    # constraint inside the reducer, on which XLA CPU's bf16 all-reduce promotion crashes.
+    dtypes = jax.tree.map(lambda a: a.dtype, rest)
+
     def per_stage(blocks, rest, data):
         blocks = jax.tree.map(lambda a: a[:, 0], blocks)
+        rest = jax.tree.map(lambda a, d: a.astype(d), rest, dtypes)
         st = _Stage(graphdef, blocks, data, loss_fn, M)
         p = jax.lax.axis_index(STAGE)
         x0 = jax.eval_shape(lambda: st.embed(rest, 0))
@@ -214,6 +225,7 @@ def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers):
     blocks_spec, rest_spec = _specs(blocks, rest)
     pipeline_loss = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
                                   out_specs=PartitionSpec(), axis_names={STAGE}, check_vma=False)
-    loss, (g_blocks, g_rest) = jax.value_and_grad(lambda b, r: pipeline_loss(b, r, data), argnums=(0, 1))(blocks, rest)
+    loss, (g_blocks, g_rest) = jax.value_and_grad(lambda b, r: pipeline_loss(b, r, data), argnums=(0, 1))(
+        blocks, _f32(rest))
     g_blocks = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), g_blocks)
     return loss, {**g_rest, "blocks": g_blocks}

@@ -10,7 +10,6 @@ a process killed mid-save leaves nothing that `latest` would pick up. A checkpoi
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -96,46 +95,6 @@ def locate(path: str) -> tuple[str, list[int]]:
     if name.isdigit() and int(name) in checkpoint_steps(parent):
         return parent, [int(name)]
     return path, []
-
-
-# What fixes the order of the training samples: the token stream that `build_datasets` makes of `data.*` (the embedded
-# corpus or the blend of `data.paths`), permuted by `train.seed`. `max_bytes` only caps the embedded corpus;
-# `weights` and `tokenizer` only matter for prepared directories.
-_ORDER_KEYS = {"embedded": ("train.seed", "data.paths", "data.validation_fraction", "data.max_bytes"),
-               "paths": ("train.seed", "data.paths", "data.weights", "data.tokenizer", "data.validation_fraction")}
-# A new batch size or sequence length is a deliberate change of the run's shape (step s then reads samples from
-# s x the new batch size on): allowed on resume, and reported at start-up.
-SHAPE_KEYS = ("train.global_batch_size", "train.seq_len")
-
-
-_MISSING = object()
-
-
-def _get(config: dict, key: str):
-    section, name = key.split(".")
-    return (config.get(section) or {}).get(name, _MISSING)
-
-
-def data_order_keys(saved: dict, current: dict) -> list[str]:
-    """The keys that fix the data order under either config (`Config.to_dict()` form)."""
-    kinds = {"paths" if (c.get("data") or {}).get("paths") else "embedded" for c in (saved, current)}
-    keys = [k for kind in ("paths", "embedded") if kind in kinds for k in _ORDER_KEYS[kind]]
-    return list(dict.fromkeys(keys))
-
-
-def config_changes(saved: dict, current: dict, keys) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, current value) for each of `keys` that differs; a key the saved config lacks is skipped."""
-    out = []
-    for key in keys:
-        old, new = _get(saved, key), _get(current, key)
-        if old is not _MISSING and old != new:
-            out.append((key, old, new))
-    return out
-
-
-def show_value(value) -> str:
-    """A config value as one would write it in an override (`key=value`)."""
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _first_line(e: Exception) -> str:

@@ -33,7 +33,7 @@ from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import (TrainState, abstract_state, init_params, init_state, model_spec,
                                  opt_state_shardings, state_shardings)
 from mlm_jax.train.step import make_eval_step, make_grad_fn, make_train_step
-from mlm_jax.validation import plan
+from mlm_jax.validation import check_resume, plan
 
 
 class TrainingStopped(RuntimeError):
@@ -129,22 +129,10 @@ class Trainer:
             directory, steps = ckpt.locate(c.resume)
             if not steps:
                 raise ConfigError(f"checkpoint.resume={c.resume}: no checkpoint found there")
-        current = self.cfg.to_dict()
         noted: list[str] = []
 
         def check(step: int, meta: dict) -> None:
-            saved = meta.get("config") or {}
-            order = ckpt.config_changes(saved, current, ckpt.data_order_keys(saved, current))
-            if order and not c.allow_data_change:
-                where = f"{directory}/{step}"
-                was = ", ".join(f"{k}={ckpt.show_value(old)}" for k, old, _ in order)
-                now = ", ".join(f"{k}={ckpt.show_value(new)}" for k, _, new in order)
-                raise ConfigError(
-                    f"checkpoint.resume: {where} was written with {was}; this run has {now}: resuming would change "
-                    f"the data order (set checkpoint.allow_data_change=true to accept, or checkpoint.init_from={where}"
-                    f" with another train.output_dir to start a new run from its weights)")
-            noted[:] = [f"{k} {ckpt.show_value(old)} -> {ckpt.show_value(new)}"
-                        for k, old, new in order + ckpt.config_changes(saved, current, ckpt.SHAPE_KEYS)]
+            noted[:] = check_resume(self.cfg, meta.get("config") or {}, f"{directory}/{step}")
 
         move_aside = os.path.abspath(directory) == os.path.abspath(c.dir)  # only this run's own checkpoints
         state, meta = ckpt.restore(directory, steps, abstract, check=check, move_aside=move_aside)
@@ -361,8 +349,9 @@ class _StopSignal:
         logging interval."""
         if jax.process_count() > 1 and not logged:
             return None
-        if any_process(self.received is not None):
-            self.received = self.received or "a signal on another process"
+        if not any_process(self.received is not None):
+            return None  # a signal arriving during the agreement waits for the next one, on every process alike
+        self.received = self.received or "a signal on another process"
         return self.received
 
     def restore(self) -> None:
