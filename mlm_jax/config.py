@@ -102,7 +102,8 @@ class ModelConfig:
     qkv_bias: bool = False
     init_std: float = positive(0.02)
     dtype: str = choice(*DTYPES, default="bfloat16")
-    param_dtype: str = choice(*DTYPES, default="float32")
+    # master weights; not float16, whose range AdamW's second moments (squared gradients) underflow
+    param_dtype: str = choice("float32", "bfloat16")
     remat: str = choice("none", "dots", "full")
     attention_impl: str = choice("auto", "cudnn", "xla", "te")  # auto: cudnn on GPUs for 16-bit inputs, else xla
     scan_layers: bool = True  # a lax.scan over the layers compiles once per model; unrolled runs faster

@@ -189,6 +189,8 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
     """What the degrees `d` require of the model and the batch; returns the microbatch count."""
     m, t = cfg.model, cfg.train
     P, V = d["stage"], cfg.parallel.virtual_stages
+    if m.moe.enabled:
+        _check_moe_layout(cfg, d)
     if V > 1 and P == 1:
         raise ConfigError(f"parallel.virtual_stages={V} needs pipeline stages (parallel.stage > 1)")
     if m.num_layers % (P * V):
@@ -209,8 +211,6 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
     if cp > 1 and m.attention_impl == "te":
         raise ConfigError("model.attention_impl=te cannot serve parallel.context > 1: context-parallel attention "
                           "runs cudnn (GPU) or xla blocks; use model.attention_impl=auto")
-    if m.moe.enabled:
-        _check_moe_layout(cfg, d)
     M = accumulation_steps(cfg, d)
     if P > 1 and M < P:
         raise ConfigError(f"{M} microbatch(es) cannot fill parallel.stage={P} pipeline stages: set "

@@ -176,12 +176,14 @@ class Trainer:
         """The model with the current weights, callable as `model(tokens_BS) -> logits_BSV`."""
         return nnx.merge(self.spec.graphdef, self.state.params)
 
-    def gradients(self) -> tuple[dict, dict]:
-        """(metrics, gradients) of the next step's batch at the current weights, computed exactly as the train step
-        computes them (same layout, microbatches, pipeline and kernels) but without an update; the gradients are
-        in the master weights' layout."""
-        batch = data_lib.global_batch(self.loader, int(self.state.step), self.batch_sharding)
-        return self._grads(self.state.params, batch)
+    def gradients(self, params=None, step: int | None = None) -> tuple[dict, dict]:
+        """(metrics, gradients) of step `step`'s batch (default: the next step's) at `params` (default: the current
+        weights; host arrays are placed in the master layout), computed exactly as the train step computes them
+        (same layout, microbatches, pipeline and kernels) but without an update; the gradients are in the master
+        weights' layout."""
+        step = int(self.state.step) if step is None else step
+        params = self.state.params if params is None else jax.device_put(params, self.master_shardings)
+        return self._grads(params, data_lib.global_batch(self.loader, step, self.batch_sharding))
 
     def evaluate(self) -> float:
         """Mean loss over `train.eval_batches` fixed validation batches."""

@@ -1,0 +1,49 @@
+"""Every assignment of the six mesh degrees whose product is 8 (56) either trains 2 steps or is refused in one line
+before anything is traced; none ends in a traceback or an abort. A dense model runs with sequence parallelism and
+virtual stages wherever they apply, an MoE model without them (the equivalence tests cover stages without virtual
+ones; `test_sweep_precision.py` has the precisions).
+
+The expected outcome of each case is stated, not observed: a case that should train and is refused fails, and so
+does one that should be refused and trains.
+"""
+import itertools
+import math
+
+import pytest
+
+from layouts import train_or_refusal
+
+AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+ASSIGNMENTS = [dict(zip(AXES, d)) for d in itertools.product((1, 2, 4, 8), repeat=6) if math.prod(d) == 8]
+BASE = ["train.log_every=1", "train.eval_every=0", "train.global_batch_size=16", "train.seq_len=16",
+        "log.progress=never", "data.max_bytes=2000000", "checkpoint.every=0", "model.vocab_size=264",
+        "model.hidden_size=64", "model.num_heads=8", "model.ffn_size=64", "optim.warmup_steps=0"]
+DENSE = ["model.num_layers=16"]  # 16 layers: 8 stages x 2 virtual
+MOE = ["model.num_layers=2", "model.moe.num_experts=8", "model.moe.expert_ffn_size=32"]
+
+
+def layout(d: dict, sp: bool, virtual: bool) -> list[str]:
+    out = [f"parallel.{a}={n}" for a, n in d.items()]
+    if sp and d["tensor"] > 1:
+        out.append("parallel.sequence_parallel=true")
+    if virtual and d["stage"] > 1:
+        out.append("parallel.virtual_stages=2")
+    return out
+
+
+def name(d: dict) -> str:
+    return "-".join(f"{a}{n}" for a, n in d.items() if n > 1)
+
+
+@pytest.mark.parametrize("degrees", ASSIGNMENTS, ids=name)
+def test_dense_with_sequence_parallelism_and_virtual_stages_trains(degrees, tmp_path):
+    assert train_or_refusal(BASE + DENSE + layout(degrees, sp=True, virtual=True), tmp_path) is None
+
+
+@pytest.mark.parametrize("degrees", ASSIGNMENTS, ids=name)
+def test_moe_without_sequence_parallelism_trains_or_is_refused_inside_pipeline_stages(degrees, tmp_path):
+    refusal = train_or_refusal(BASE + MOE + layout(degrees, sp=False, virtual=False), tmp_path)
+    if degrees["stage"] > 1:
+        assert refusal is not None and "do not run in the pipeline" in refusal
+    else:
+        assert refusal is None
