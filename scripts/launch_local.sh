@@ -37,8 +37,8 @@ trap stop INT TERM
 
 for ((i = 0; i < n; i++)); do
   # Gloo (the CPU collectives) reports every connection it makes, from several threads at once: dropped, and
-  # with them the empty lines their interleaved writes leave behind.
-  prefix=(sed -u -e '/\[Gloo\]/d' -e '/connected peer ranks is : [0-9]*$/d' -e '/^$/d' -e "s/^/[$i] /")
+  # with them the empty and digits-only lines their interleaved writes leave behind.
+  prefix=(sed -u -e '/\[Gloo\]/d' -e '/connected peer ranks is : [0-9]*$/d' -e '/^[0-9]*$/d' -e "s/^/[$i] /")
   (
     set -o pipefail  # the group's status is python's
     trap '' INT TERM  # a stop is for python; the prefixers pass on its last words, then end with its output

@@ -75,14 +75,12 @@ class Checkpointer:
 
 
 def checkpoint_steps(directory: str) -> list[int]:
-    """Complete checkpoints in `directory`, oldest first (temporary, half-written ones are not listed)."""
-    if not os.path.isdir(directory):
-        return []
-    manager = _manager(directory, None, create=False)
-    try:
-        return sorted(manager.all_steps())
-    finally:
-        manager.close()
+    """Complete checkpoints in `directory`, oldest first (temporary, half-written ones are not listed).
+
+    Read from the directory listing, not through a CheckpointManager, whose creation is a barrier across
+    processes: the processes of one run look before any of them creates the directory, or after, not in step.
+    """
+    return sorted(ocp.utils.checkpoint_steps(directory)) if os.path.isdir(directory) else []
 
 
 def locate(path: str) -> tuple[str, list[int]]:
