@@ -10,7 +10,8 @@ Each rule raises `ConfigError` with one line naming the key, the value and what 
   (`layers.attention.unavailable`, `layers.experts.mgpu_unavailable`, `layers.te.missing`); this pass asks it,
   and the trainer builds exactly what `plan` chose.
 
-Only this module and the data loader (which must open files to check them) raise `ConfigError` for a config.
+Elsewhere `ConfigError` comes only from what must touch files or other processes to be checked: the data loader,
+the checkpoint directory and its metadata, and the multi-process flags.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ DEGREE_KEYS = ("data", "stage", "fsdp", "context", "expert", "tensor")  # parall
 
 # -- fields ---------------------------------------------------------------------------------------------------------
 def _fields(node, prefix: str):
-    """(dotted key, value, field metadata) of every leaf field under a config dataclass."""
+    """(dotted key, value, field metadata, whether null is allowed) of every leaf field under a config dataclass."""
     hints = typing.get_type_hints(type(node))
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
@@ -35,7 +36,7 @@ def _fields(node, prefix: str):
         if dataclasses.is_dataclass(hints[f.name]):
             yield from _fields(value, key)
         else:
-            yield key, value, f.metadata
+            yield key, value, f.metadata, type(None) in typing.get_args(hints[f.name])
 
 
 def _bounds_text(gt, ge, lt, le) -> str:
@@ -46,24 +47,14 @@ def _bounds_text(gt, ge, lt, le) -> str:
 
 
 def _check_fields(cfg: Config) -> None:
-    for key, value, meta in _fields(cfg, ""):
+    for key, value, meta, nullable in _fields(cfg, ""):
         if "choices" in meta and value not in meta["choices"]:
             raise ConfigError(f"{key}={value!r}: expected one of {', '.join(meta['choices'])}")
         if "bounds" in meta and value is not None:
             gt, ge, lt, le = meta["bounds"]
             if ((gt is not None and not value > gt) or (ge is not None and not value >= ge)
                     or (lt is not None and not value < lt) or (le is not None and not value <= le)):
-                null = " or null" if _optional(cfg, key) else ""
-                raise ConfigError(f"{key}={value}: {_bounds_text(gt, ge, lt, le)}{null}")
-
-
-def _optional(cfg: Config, key: str) -> bool:
-    """Whether the field at `key` accepts null (its error then says so)."""
-    *path, name = key.split(".")
-    node = cfg
-    for p in path:
-        node = getattr(node, p)
-    return type(None) in typing.get_args(typing.get_type_hints(type(node))[name])
+                raise ConfigError(f"{key}={value}: {_bounds_text(gt, ge, lt, le)}{' or null' * nullable}")
 
 
 # -- the config alone -----------------------------------------------------------------------------------------------
