@@ -284,3 +284,18 @@ def test_uncreatable_checkpoint_dir_is_a_one_line_error(tmp_path):
     proc = _cli(tmp_path, "train.steps=2", f"checkpoint.dir={blocker}/ck")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and err.startswith("error: checkpoint.dir=") and err.count("\n") == 1, err
+
+
+def test_resuming_a_weights_only_checkpoint_is_refused_and_moves_nothing(tmp_path):
+    """A converted model (params and meta only) in the run's own checkpoint directory is not a damaged checkpoint."""
+    import jax.numpy as jnp
+
+    from mlm_jax.config import ConfigError
+    from mlm_jax.convert.store import save_weights
+
+    t = trainer(tmp_path, "train.steps=2")
+    save_weights(str(tmp_path / "checkpoints"), jax.tree.map(jnp.asarray, jax.device_get(t.state.params)),
+                 {"step": 0, "config": t.cfg.to_dict()})
+    with pytest.raises(ConfigError, match=r"checkpoints/0 holds weights only .* checkpoint\.init_from="):
+        trainer(tmp_path, "train.steps=2")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["0"]

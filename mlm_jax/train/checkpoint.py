@@ -160,6 +160,10 @@ def restore(directory: str, steps: list[int], abstract_state: TrainState, check=
                 continue
             if check is not None:
                 check(step, meta)
+            if not os.path.isdir(os.path.join(directory, str(step), "train")):
+                raise ConfigError(f"checkpoint.resume: {directory}/{step} holds weights only (a converted model, no "
+                                  f"optimizer state): start a run from it with checkpoint.init_from={directory}/{step} "
+                                  f"and another train.output_dir")
             try:
                 out = manager.restore(step, args=ocp.args.Composite(
                     params=ocp.args.StandardRestore(abstract_state.params),
