@@ -299,3 +299,12 @@ def test_resuming_a_weights_only_checkpoint_is_refused_and_moves_nothing(tmp_pat
     with pytest.raises(ConfigError, match=r"checkpoints/0 holds weights only .* checkpoint\.init_from="):
         trainer(tmp_path, "train.steps=2")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["0"]
+
+
+def test_resume_none_over_existing_checkpoints_is_refused(tmp_path):
+    """Their steps would not be saved again (a save at an existing step is skipped): the new run's end would be lost."""
+    from mlm_jax.config import ConfigError
+
+    trainer(tmp_path, "train.steps=2").fit()
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume=none, but checkpoint\.dir=.* already holds steps \[2\]"):
+        trainer(tmp_path, "train.steps=2", "checkpoint.resume=none")

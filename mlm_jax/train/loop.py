@@ -120,6 +120,10 @@ class Trainer:
         """
         c = self.cfg.checkpoint
         if c.resume == "none":
+            if existing := ckpt.checkpoint_steps(c.dir):  # a save at an existing step is skipped: never mixed in
+                raise ConfigError(f"checkpoint.resume=none, but checkpoint.dir={c.dir} already holds steps "
+                                  f"{existing}, which a new run's saves would not replace: set another "
+                                  f"train.output_dir or checkpoint.dir, or checkpoint.resume=auto")
             return None
         if c.resume == "auto":
             directory, steps = c.dir, ckpt.checkpoint_steps(c.dir)
