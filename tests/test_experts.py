@@ -265,7 +265,7 @@ def test_expert_parallel_refuses_capacity_groups_split_over_devices():
 def test_expert_parallel_bf16_gradients_compile(dropless, degrees):
     """bf16 inputs, so the psums and the cotangent sums of replicated inputs are bf16 all-reduces: XLA CPU used to
     abort the process compiling them (a sharding custom call at the root of their reduction). Dropless and
-    capacity; the values are checked loosely against fp32, as bf16 allows."""
+    capacity; the output's relative error against fp32 is bf16 rounding's."""
     inputs, cotangent, (y, _, _) = dropless
     inputs = {k: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v for k, v in inputs.items()}
     for capacity_factor in (None, 8.0):
@@ -273,7 +273,8 @@ def test_expert_parallel_bf16_gradients_compile(dropless, degrees):
                                                  **degrees)
         assert y_ep.dtype == jnp.bfloat16 and all(np.all(np.isfinite(g.astype(np.float32)))
                                                  for g in grads_ep.values())
-        np.testing.assert_allclose(np.asarray(y_ep, np.float32), y, rtol=0.1, atol=0.1)
+        error = np.linalg.norm(np.asarray(y_ep, np.float32) - y) / np.linalg.norm(y)
+        assert error < 1.5e-2, error  # bf16 rounding of inputs, weights and products: 6e-3 here
 
 
 def test_expert_parallel_nests_inside_pipeline_stages(dropless):
