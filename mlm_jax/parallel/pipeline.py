@@ -1,15 +1,15 @@
-"""Pipeline parallelism in one SPMD program: a `shard_map` over the `stage` axis around a `lax.scan` of ticks.
+"""Pipeline parallelism in one SPMD program: a `shard_map` over the `stage` axis around `lax.scan`s of ticks.
 
 Block parameters are stored canonically as (L, ...), their layer dim sharded over `stage`, and viewed here as
 (V, P, L/(V*P), ...): chunk c = v*P + p (layers c*Lc .. c*Lc+Lc-1) lives on stage p. Every other axis (data,
 fsdp, tensor, ...) stays automatic inside each stage. Each tick runs the schedule's forward slot, then its backward
 slot, then two `ppermute`s: activations to the next stage and gradients to the previous one, both wrapping
-around (stage P-1 feeds chunk v+1 on stage 0). Idle slots are skipped with `lax.cond`.
+around (stage P-1 feeds chunk v+1 on stage 0).
 
-1F1B schedules backward passes itself: the forward slot stashes its chunk input, the backward slot recomputes the
-chunk from it with `jax.vjp`, so a stage holds at most 2*V*P chunk inputs whatever the number of microbatches.
-GPipe runs only the forward ticks and lets autodiff produce the backward (all microbatches stay alive); it is the
-reference the 1F1B executor is tested against.
+1F1B schedules backward passes itself: the forward slot runs the chunk under `jax.vjp` and stashes the pullback's
+residuals (at most 2*V*P chunks' worth, whatever the number of microbatches), the backward slot rebuilds the
+pullback from them, so no chunk is computed twice. GPipe runs only the forward ticks and lets autodiff produce the
+backward (all microbatches stay alive); it is the reference the 1F1B executor is tested against.
 
 Shapes: M microbatches, b rows each, S sequence, D model.
 """
@@ -66,7 +66,7 @@ def _add_at(acc, i, g):
 
 
 def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule,
-                            loss_fn: Callable) -> tuple[jax.Array, dict]:
+                            loss_fn: Callable, compute_dtype=jnp.float32) -> tuple[jax.Array, dict]:
     """Mean loss over the batch and its gradient with respect to `params`, computed by `schedule`."""
     P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
     L = jax.tree.leaves(params["blocks"])[0].shape[0]
@@ -77,8 +77,10 @@ def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh
     data = {"tokens": _split_microbatches(batch["inputs"], M, ax.ACT_SEQ_SP),  # the embedding's output layout
             "targets": _split_microbatches(batch["targets"], M, ax.ACT_SEQ),  # the logits' layout
             "positions": _split_microbatches(positions_BS, M, ax.ACT_SEQ)}
-    run = _one_f_one_b if schedule.kind == "1f1b" else _gpipe
-    return run(graphdef, blocks, rest, data, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L)
+    if schedule.kind == "gpipe":
+        return _gpipe(graphdef, blocks, rest, data, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L)
+    return _one_f_one_b(graphdef, blocks, rest, data, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L,
+                        compute_dtype=compute_dtype)
 
 
 class _Stage:
@@ -108,73 +110,148 @@ def _specs(blocks, rest):
     return (jax.tree.map(lambda _: PartitionSpec(None, STAGE), blocks), jax.tree.map(lambda _: PartitionSpec(), rest))
 
 
-def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers):
+def _cast_floating(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+# Elementwise and layout primitives: what the backward recomputes from the stashed values rather than stash.
+_RECOMPUTED = frozenset({
+    "abs", "add", "add_any", "and", "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "cos", "div",
+    "eq", "exp", "expand_dims", "ge", "gt", "integer_pow", "iota", "le", "log", "logistic", "lt", "max", "min",
+    "mul", "ne", "neg", "not", "or", "reshape", "rsqrt", "select_n", "sin", "slice", "sqrt", "square", "squeeze",
+    "stop_gradient", "sub", "tanh", "transpose"})
+
+
+def stash_policy(prim, *_, **__) -> bool:
+    """What a chunk's forward keeps for its backward: the outputs of matmuls, attention kernels, reductions and
+    collectives. Elementwise results (norm and activation intermediates, fp32 upcasts, casts and transposes of the
+    weights) are recomputed inside the backward's fusions, as XLA does in a program that holds forward and
+    backward together; stashing them would copy 3x the bytes into the stash at every tick (measured at
+    llama-1b: the copies took 20% of the step)."""
+    return prim.name not in _RECOMPUTED
+
+
+def _segments(schedule: Schedule) -> list[tuple[int, int, bool, bool]]:
+    """The ticks as runs (start, stop, forward slot runs, backward slot runs): a slot that no stage uses over a run
+    of ticks (the warm-up's backward, the cool-down's forward) is left out of that run's program."""
+    runs: list[list] = []
+    for t, (fw, bw) in enumerate(zip(schedule.forward, schedule.backward)):
+        kind = (any(w is not None for w in fw), any(w is not None for w in bw))
+        if runs and tuple(runs[-1][2:]) == kind:
+            runs[-1][1] = t + 1
+        else:
+            runs.append([t, t + 1, *kind])
+    return [tuple(r) for r in runs]
+
+
+class Residuals:
+    """A chunk's VJP as stashable arrays: the residual leaves of `jax.vjp`'s pullback, less the chunk's weights
+    (the pullback closes over them; they are passed again when it is rebuilt, never stashed)."""
+
+    def __init__(self):
+        self.treedef, self.weight_at = None, None
+
+    def split(self, pullback, weights) -> list[jax.Array]:
+        leaves, treedef = jax.tree.flatten(pullback)
+        index = {id(w): j for j, w in enumerate(jax.tree.leaves(weights))}
+        weight_at = tuple(index.get(id(leaf)) for leaf in leaves)
+        if self.treedef is None:  # the first trace's structure serves every tick (the pullback's jaxpr is static)
+            self.treedef, self.weight_at = treedef, weight_at
+        assert weight_at == self.weight_at, "the chunk's VJP changed structure between traces"
+        return [leaf for leaf, j in zip(leaves, weight_at) if j is None]
+
+    def join(self, stashed: list[jax.Array], weights):
+        w, it = jax.tree.leaves(weights), iter(stashed)
+        return jax.tree.unflatten(self.treedef, [next(it) if j is None else w[j] for j in self.weight_at])
+
+
+def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers, compute_dtype):
+    """Circular 1F1B: the forward slot runs a chunk under `jax.vjp` and stashes its residuals, the backward slot
+    rebuilds that pullback; no chunk is computed twice.
+
+    Slots run on every stage of a run of ticks that any stage needs them in; a stage whose table entry is idle
+    computes on stale inputs and its results are discarded (a zero cotangent, a write to a spare stash slot): in
+    lockstep ticks it would otherwise wait, and collectives inside a chunk (ring attention, expert all-to-alls)
+    then run on every device. The chunks' weights are cast to the compute dtype once per step, so the pullback
+    holds the cast weights by identity (filtered out of the stash) rather than a copy per microbatch.
+    """
     P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
     (fwd_ok, fwd_v, fwd_m), (bwd_ok, bwd_v, bwd_m) = _tables(schedule.forward), _tables(schedule.backward)
-    slots = 2 * V * P
+    slots = 2 * V * P  # live stash entries; one more slot takes the writes of idle forward slots
     to_next = [(i, (i + 1) % P) for i in range(P)]
     to_prev = [(i, (i - 1) % P) for i in range(P)]
+    slot_of = np.full((V, M), slots, np.int32)
+    for v in range(V):
+        for m in range(M):
+            slot_of[v, m] = forward_index(P, V, v, m) % slots
+    slot_of = jnp.asarray(slot_of)
 
     def per_stage(blocks, rest, data):
-        blocks = jax.tree.map(lambda a: a[:, 0], blocks)  # (V, Lc, ...): this stage's chunks
+        blocks = _cast_floating(jax.tree.map(lambda a: a[:, 0], blocks), compute_dtype)  # (V, Lc, ...)
         st = _Stage(graphdef, blocks, data, loss_fn, M)
         p = jax.lax.axis_index(STAGE)
-        x0 = jax.eval_shape(lambda: st.embed(rest, 0))
-        zero_act = jnp.zeros(x0.shape, x0.dtype)
-        zero_rest = _zeros(rest, jnp.float32)
-        zero_blocks = _zeros(_at(blocks, 0), jnp.float32)
+        residuals = Residuals()
 
         def forward(act_in, v, m):
+            """(chunk output, stashable residuals)."""
             x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
-            return x, st.chunk(rest, _at(blocks, v), x, m)
+            weights = _at(blocks, v)
+            chunk = jax.checkpoint(lambda w, x: st.chunk(rest, w, x, m), policy=stash_policy, prevent_cse=False)
+            y, pullback = jax.vjp(chunk, weights, x)
+            return y, residuals.split(pullback, weights)
 
-        def backward_last(x, g, v, m):
-            def f(chunk_blocks, rest, x):
-                return st.loss(rest, st.chunk(rest, chunk_blocks, x, m), m)
-            loss, vjp = jax.vjp(f, _at(blocks, v), rest, x)
-            g_blocks, g_rest, g_x = vjp(jnp.ones_like(loss))
-            # fp32 whatever the weights' dtype (bf16 weights, or ZeRO-1's bf16 copies): every branch of the `cond`s
-            # returns the fp32 accumulators' dtype, which the idle branches' zeros have
-            return loss.astype(jnp.float32), _f32(g_blocks), _f32(g_rest), g_x
+        y0, res0 = jax.eval_shape(forward, jax.eval_shape(lambda: st.embed(rest, 0)), 0, 0)
+        zero_act = jnp.zeros(y0.shape, y0.dtype)
 
-        def backward_mid(x, g, v, m):
-            _, vjp = jax.vjp(lambda cb, x: st.chunk(rest, cb, x, m), _at(blocks, v), x)
-            g_blocks, g_x = vjp(g)
-            return jnp.zeros((), jnp.float32), _f32(g_blocks), zero_rest, g_x
+        def head(y, g_rest, ok, m):
+            """The loss of the last chunk's output, its cotangent (scaled by `ok`: 0 for an idle slot) and the
+            head's gradient added to `g_rest`."""
+            loss, pullback = jax.vjp(lambda r, y: st.loss(r, y, m), rest, y)
+            g_r, g_y = pullback(ok.astype(loss.dtype))
+            return (ok * loss.astype(jnp.float32), jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_rest, g_r),
+                    g_y.astype(zero_act.dtype))
 
-        def backward(x, g, v, m):
-            loss, g_blocks, g_rest, g_x = jax.lax.cond((v == V - 1) & (p == P - 1), backward_last, backward_mid,
-                                                       x, g, v, m)
+        def backward(stashed, y, g_in, g_rest, v, m, ok):
+            is_last = (v == V - 1) & (p == P - 1)
+            loss, g_rest, g_y = jax.lax.cond(
+                is_last, lambda: head(y, g_rest, ok, m),
+                lambda: (jnp.zeros((), jnp.float32), g_rest, g_in * ok.astype(g_in.dtype)))
+            g_w, g_x = residuals.join(stashed, _at(blocks, v))(g_y)
 
             def embedding_grad():
-                _, vjp = jax.vjp(lambda r: st.embed(r, m), rest)
-                return jax.tree.map(jnp.add, g_rest, _f32(vjp(g_x)[0]))
+                _, pullback = jax.vjp(lambda r: st.embed(r, m), rest)
+                return jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_rest, pullback(g_x)[0])
 
-            g_rest = jax.lax.cond((v == 0) & (p == 0), embedding_grad, lambda: g_rest)
-            return loss, g_blocks, g_rest, g_x
+            g_rest = jax.lax.cond((v == 0) & (p == 0) & (ok == 1), embedding_grad, lambda: g_rest)
+            return loss, g_w, g_rest, g_x
 
-        def tick(carry, t):
-            act_in, grad_in, stash, g_blocks, g_rest, loss = carry
-            v, m = fwd_v[t, p], fwd_m[t, p]
-            x, y = jax.lax.cond(fwd_ok[t, p] == 1, forward, lambda a, v, m: (zero_act, zero_act), act_in, v, m)
-            slot = forward_index(P, V, v, m) % slots
-            stash = jax.lax.cond(fwd_ok[t, p] == 1, lambda s: s.at[slot].set(x), lambda s: s, stash)
+        def tick(run_forward, run_backward):
+            def body(carry, t):
+                act_in, grad_in, stash, g_blocks, g_rest, loss = carry
+                y = zero_act
+                if run_forward:
+                    v, m = fwd_v[t, p], fwd_m[t, p]
+                    y, res = forward(act_in, v, m)
+                    slot = jnp.where(fwd_ok[t, p] == 1, slot_of[v, m], slots)
+                    stash = [jax.lax.dynamic_update_index_in_dim(s, r.astype(s.dtype), slot, 0)
+                             for s, r in zip(stash, res)]
+                g_x = zero_act
+                if run_backward:
+                    v, m = bwd_v[t, p], bwd_m[t, p]
+                    stashed = [jax.lax.dynamic_index_in_dim(s, slot_of[v, m], 0, keepdims=False) for s in stash]
+                    l, g_w, g_rest, g_x = backward(stashed, y, grad_in, g_rest, v, m, bwd_ok[t, p])
+                    g_blocks = _add_at(g_blocks, v, g_w)
+                    loss = loss + l
+                act_out = jax.lax.ppermute(y, STAGE, to_next)
+                grad_out = jax.lax.ppermute(g_x.astype(zero_act.dtype), STAGE, to_prev)
+                return (act_out, grad_out, stash, g_blocks, g_rest, loss), None
+            return body
 
-            v, m = bwd_v[t, p], bwd_m[t, p]
-            x_stashed = stash[forward_index(P, V, v, m) % slots]
-            l, gb, gr, g_x = jax.lax.cond(
-                bwd_ok[t, p] == 1, backward,
-                lambda x, g, v, m: (jnp.zeros((), jnp.float32), zero_blocks, zero_rest, zero_act),
-                x_stashed, grad_in, v, m)
-            g_blocks = _add_at(g_blocks, v, gb)
-            g_rest = jax.tree.map(jnp.add, g_rest, gr)
-            act_out = jax.lax.ppermute(y, STAGE, to_next)
-            grad_out = jax.lax.ppermute(g_x.astype(zero_act.dtype), STAGE, to_prev)
-            return (act_out, grad_out, stash, g_blocks, g_rest, loss + l), None
-
-        init = (zero_act, zero_act, jnp.zeros((slots, *zero_act.shape), zero_act.dtype),
-                _zeros(blocks, jnp.float32), zero_rest, jnp.zeros((), jnp.float32))
-        (_, _, _, g_blocks, g_rest, loss), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+        carry = (zero_act, zero_act, [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in res0],
+                 _zeros(blocks, jnp.float32), _zeros(rest, jnp.float32), jnp.zeros((), jnp.float32))
+        for start, stop, run_forward, run_backward in _segments(schedule):
+            carry, _ = jax.lax.scan(tick(run_forward, run_backward), carry, jnp.arange(start, stop))
+        _, _, _, g_blocks, g_rest, loss = carry
         g_blocks = jax.tree.map(lambda a: a[:, None], g_blocks)
         return jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), g_blocks
 

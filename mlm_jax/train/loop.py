@@ -24,7 +24,7 @@ from mlm_jax.parallel.distributed import any_process, shared_time
 from mlm_jax.parallel.mesh import build_mesh, dcn_degrees
 from mlm_jax.parallel.kernels import parallel_kernels
 from mlm_jax.parallel.pipeline import pipeline_value_and_grad
-from mlm_jax.parallel.schedule import SCHEDULES, theoretical_bubble
+from mlm_jax.parallel.schedule import SCHEDULES, Schedule, theoretical_bubble
 from mlm_jax.parallel.rules import make_rules, resolve
 from mlm_jax.train import checkpoint as ckpt
 from mlm_jax.train import metrics as mt
@@ -143,15 +143,19 @@ class Trainer:
         self.resumed_from = f"{directory}/{meta['step']}" + (f" ({', '.join(noted)})" if noted else "")
         return state
 
-    def _build_steps(self) -> None:
+    def _build_steps(self, schedule: Schedule | None = None) -> None:
+        """Jits the train, gradient and eval steps; `schedule` (the config's pipeline by default) may also run the
+        pipeline executor on a stage axis of size 1, which `benchmarks/pipeline_overhead.py` measures."""
         cfg = self.cfg
         zero1 = cfg.parallel.shard_optimizer
-        self.schedule, pipeline = None, None
-        if self.degrees["stage"] > 1:
-            p = cfg.parallel
-            self.schedule = SCHEDULES[p.pipeline_schedule](self.degrees["stage"], p.virtual_stages, self.accum_steps)
+        p = cfg.parallel
+        if schedule is None and self.degrees["stage"] > 1:
+            schedule = SCHEDULES[p.pipeline_schedule](self.degrees["stage"], p.virtual_stages, self.accum_steps)
+        self.schedule, pipeline = schedule, None
+        if schedule is not None:
             pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef, mesh=self.mesh,
-                                         schedule=self.schedule, loss_fn=cross_entropy)
+                                         schedule=schedule, loss_fn=cross_entropy,
+                                         compute_dtype=jnp.dtype(cfg.model.dtype))
         moe = cfg.model.moe if cfg.model.moe.enabled else None
         kernels, prepare = parallel_kernels(cfg, self.mesh, self.degrees)
         grads = make_grad_fn(
