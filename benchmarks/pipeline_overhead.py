@@ -65,14 +65,14 @@ def run_variant(args) -> dict:
 
 
 def stash_bytes(trainer, schedule) -> int:
-    """Bytes of the executor's stash: its 2*V*P + 1 slots of one chunk's residuals, as the executor keeps them."""
+    """Bytes of the executor's residual stash: its slots (the most chunks live at once) of one chunk's residuals."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from mlm_jax.layers import axes as ax
     from mlm_jax.parallel.kernels import parallel_kernels
-    from mlm_jax.parallel.pipeline import Residuals, stash_policy
+    from mlm_jax.parallel.pipeline import Residuals, _segments, _stash_plan, stash_policy
 
     cfg, V = trainer.cfg, schedule.virtual
     rows, S, dtype = cfg.train.global_batch_size // trainer.accum_steps, cfg.train.seq_len, jnp.dtype(cfg.model.dtype)
@@ -88,10 +88,11 @@ def stash_bytes(trainer, schedule) -> int:
                                prevent_cse=False)
         return Residuals().split(jax.vjp(chunk, weights, x)[1], weights)
 
-    kernels, _ = parallel_kernels(cfg, trainer.mesh, trainer.degrees)
+    kernels, _ = parallel_kernels(cfg, trainer.mesh, trainer.degrees, trainer.resolver)
     with ax.activation_resolver(trainer.resolver), ax.kernels(**kernels):
         leaves = jax.eval_shape(residuals, shapes, weights, x)
-    return (2 * V * schedule.stages + 1) * sum(a.size * a.dtype.itemsize for a in leaves)
+    slots = _stash_plan(schedule, _segments(schedule))[3]
+    return slots * sum(a.size * a.dtype.itemsize for a in leaves)
 
 
 def child(args, variant: str, out: str) -> dict:
@@ -170,7 +171,8 @@ def write(results_dir: str, rec: dict) -> None:
     cells = [rec["date"][:10], f"{rec['gpu']} x1", f"{rec['config']} (pipeline overhead, {rec['schedule']} V="
              f"{rec['virtual']} M={rec['microbatches']})", f"`{rec['command']}`", f"{rec['tokens_per_s']:,.0f}", "-",
              "-", f"plain {rec['plain_tokens_per_s']:,.0f}", f"{rec['ratio_to_plain']:.3f} of plain",
-             "-" if mem[0] is None else f"{mem[0]:.1f} GiB (plain {mem[1]:.1f}, stash {rec['stash_gib']:.1f})", f"{rec['compile_time_s']:.1f} s"]
+             "-" if mem[0] is None else f"{mem[0]:.1f} GiB (plain {mem[1]:.1f}, stash {rec['stash_gib']:.1f})",
+             f"{rec['compile_time_s']:.1f} s"]
     with open(os.path.join(results_dir, "RESULTS.md"), "a") as f:
         f.write("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |\n")
 

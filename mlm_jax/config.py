@@ -137,7 +137,7 @@ class ParallelConfig:
     # allgather: K/V gathered once; ring: K/V blocks passed around (ppermute)
     context_strategy: str = choice("allgather", "ring")
     virtual_stages: int = positive(1)
-    pipeline_schedule: str = choice("1f1b", "gpipe")
+    pipeline_schedule: str = choice("1f1b", "zb1", "gpipe")
     sequence_parallel: bool = False
     shard_optimizer: bool = False
     rules: Any = "default"

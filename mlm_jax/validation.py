@@ -195,10 +195,6 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
     if cp > 1 and t.seq_len % (2 * cp):
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2 x parallel.context={cp} (causal load "
                           f"balancing cuts the sequence into 2 x context chunks)")
-    if cp > 1 and P > 1 and cfg.parallel.context_strategy == "ring":
-        raise ConfigError("parallel.context_strategy=ring cannot run inside pipeline stages (parallel.stage > 1): "
-                          "its collective-permutes sit in stage-dependent branches, which XLA's collective-permute "
-                          "rendezvous over all devices cannot serve; use parallel.context_strategy=allgather")
     if cp > 1 and m.attention_impl == "te":
         raise ConfigError("model.attention_impl=te cannot serve parallel.context > 1: context-parallel attention "
                           "runs cudnn (GPU) or xla blocks; use model.attention_impl=auto")
@@ -216,9 +212,12 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
 
 def _check_moe_layout(cfg: Config, d: dict[str, int]) -> None:
     moe, P = cfg.model.moe, d["stage"]
-    if P > 1:
-        raise ConfigError(f"model.moe.num_experts={moe.num_experts} with parallel.stage={P}: MoE models do not run "
-                          f"in the pipeline yet; use expert, fsdp, tensor or data parallelism")
+    dense = [i for i in range(cfg.model.num_layers) if not moe.is_moe_layer(i)]
+    if P > 1 and dense:
+        raise ConfigError(f"parallel.stage={P} with dense layers in an MoE model (model.moe.first_dense_layers="
+                          f"{moe.first_dense_layers}, model.moe.every_n_layers={moe.every_n_layers}: layers {dense} "
+                          f"are dense): pipeline chunks hold one kind of block; use an MoE model whose every layer is "
+                          f"MoE, or no pipeline stages")
     if moe.num_experts % d["expert"]:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={d['expert']}")
     F, tp = cfg.model.expert_ffn, d["tensor"]

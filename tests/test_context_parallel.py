@@ -32,8 +32,11 @@ def test_context2_tensor2_data2_sequence_parallel_matches_single_device(strategy
     assert_matches(fit(BASE, layout, 8, tmp_path), single_device)
 
 
-def test_context2_with_pipeline_stages_matches_single_device(single_device, tmp_path):
-    layout = ["parallel.context=2", "parallel.stage=2", "parallel.data=2", "parallel.context_strategy=allgather"]
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1"])
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_context2_with_pipeline_stages_matches_single_device(strategy, schedule, single_device, tmp_path):
+    layout = ["parallel.context=2", "parallel.stage=2", "parallel.data=2", f"parallel.context_strategy={strategy}",
+              f"parallel.pipeline_schedule={schedule}"]
     assert_matches(fit(BASE, layout, 8, tmp_path), single_device)
 
 
@@ -41,9 +44,7 @@ def test_context2_with_pipeline_stages_matches_single_device(single_device, tmp_
     (["parallel.context=4", "parallel.data=2", "train.seq_len=36"], "not divisible by 2 x parallel.context=4"),
     (["parallel.context=2", "parallel.data=4", "model.attention_impl=te"], "cannot serve parallel.context > 1"),
     (["parallel.context_strategy=zigzag"], "expected one of allgather, ring"),
-    (["parallel.context=2", "parallel.stage=2", "parallel.data=2", "parallel.context_strategy=ring"],
-     "cannot run inside pipeline stages"),
-], ids=["seq-by-2cp", "te-attention", "strategy", "ring-in-pipeline"])
+], ids=["seq-by-2cp", "te-attention", "strategy"])
 def test_bad_context_layouts_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_degrees(load_config(None, BASE + overrides), 8)

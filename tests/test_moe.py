@@ -20,6 +20,9 @@ BASE = ["model.dtype=float32", "model.num_layers=2", "train.steps=3", "train.log
         "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none"] + MOE
 
 
+SMALL_CAPACITY = ["model.moe.capacity_factor=0.5"]  # per row (capacity_group_rows=1): 4 of a row's 64 per expert
+
+
 def run(overrides, num_devices, tmp_path):
     return fit(BASE, overrides, num_devices, tmp_path)
 
@@ -104,13 +107,41 @@ def test_expert_parallel_dropless_matches_single_device(layout, single_device, t
     assert_matches(run(layout, 8, tmp_path), single_device)
 
 
+# Pipelines run 2 microbatches (one per stage): the balancing losses are per microbatch, so the reference
+# accumulates the same two.
+M2 = ["train.num_microbatches=2"]
+
+
+STAGE2 = ["parallel.stage=2", "parallel.expert=2", "parallel.data=2"]
+VIRTUAL2 = STAGE2 + ["parallel.virtual_stages=2", "model.num_layers=4"]
+
+
+@pytest.mark.parametrize("layout, capacity", [
+    pytest.param(STAGE2 + ["parallel.pipeline_schedule=1f1b"], [], id="stage2-expert2-1f1b-dropless"),
+    pytest.param(STAGE2 + ["parallel.pipeline_schedule=zb1"], SMALL_CAPACITY, id="stage2-expert2-zb1-capacity"),
+    pytest.param(VIRTUAL2 + ["parallel.pipeline_schedule=1f1b"], SMALL_CAPACITY,
+                 id="stage2-virtual2-expert2-1f1b-capacity"),
+    pytest.param(VIRTUAL2 + ["parallel.pipeline_schedule=zb1"], [], id="stage2-virtual2-expert2-zb1-dropless"),
+])
+def test_moe_in_pipeline_stages_matches_single_device(layout, capacity, tmp_path):
+    """Experts (and expert parallelism) inside stages; each layer's routing statistics reported in model order."""
+    layers = [o for o in layout if o.startswith("model.")]
+    ref = run(layers + capacity + M2 + ["parallel.data=1"], 1, tmp_path / "ref")
+    got = run(layout + capacity, 8, tmp_path / "got")
+    if capacity:
+        assert all(d > 0 for r in got.records for d in r["moe_dropped"])
+    assert_matches(got, ref)
+    for mine, theirs in zip(got.records, ref.records):
+        np.testing.assert_allclose(mine["moe_load_max_mean"], theirs["moe_load_max_mean"], rtol=1e-5)
+        np.testing.assert_allclose(mine["moe_aux_loss"], theirs["moe_aux_loss"], rtol=1e-5)
+
+
 def test_capacity_mode_without_drops_equals_dropless(single_device, tmp_path):
     got = run(["parallel.expert=4", "parallel.data=2", "model.moe.capacity_factor=8.0"], 8, tmp_path)
     assert all(d == 0 for r in got.records for d in r["moe_dropped"])
     assert_matches(got, single_device)
 
 
-SMALL_CAPACITY = ["model.moe.capacity_factor=0.5"]  # per row (capacity_group_rows=1): 4 of a row's 64 per expert
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +194,10 @@ def test_deepseek_style_model_with_dense_layers_and_bias_updates_trains(tmp_path
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.expert=3", "parallel.data=1"], "model.moe.num_experts=8 is not divisible by parallel.expert=3"),
     (["model.moe.top_k=9"], "model.moe.top_k=9 exceeds model.moe.num_experts=8"),
-    (["parallel.stage=2", "parallel.data=4"], "do not run in the pipeline"),
+    (["parallel.stage=2", "parallel.data=4", "model.moe.first_dense_layers=1"], "pipeline chunks hold one kind"),
     (["model.moe.router_bias_update=0.1"], "needs model.moe.router=sigmoid"),
     (["model.moe.capacity_factor=0"], "must be positive"),
-], ids=["experts-by-ep", "top-k", "pipeline", "bias-without-sigmoid", "capacity"])
+], ids=["experts-by-ep", "top-k", "pipeline-dense-layers", "bias-without-sigmoid", "capacity"])
 def test_bad_moe_settings_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_degrees(load_config(None, BASE + overrides), 8 if "expert=3" not in overrides[0] else 3)

@@ -3,6 +3,7 @@ import itertools
 
 import pytest
 
+from mlm_jax.parallel.pipeline import _segments, _stash_plan
 from mlm_jax.parallel.schedule import (SCHEDULES, Schedule, forward_index, forward_order, gpipe, one_f_one_b,
                                        theoretical_bubble, zb1)
 
@@ -210,3 +211,14 @@ def test_zb1_bubble_is_below_1f1bs(P, V, M):
     for t_f, t_b, t_w in SPLIT_TIMES + [(1.0, 1.0, 2.0), (0.5, 1.0, 1.0)]:
         zb, base = zb1(P, V, M).bubble(t_f, t_b + t_w, t_w), one_f_one_b(P, V, M).bubble(t_f, t_b + t_w, t_w)
         assert zb < base if P > 1 else zb == base
+
+
+@pytest.mark.parametrize("P, V, M", SHAPES)
+@pytest.mark.parametrize("kind", ["1f1b", "zb1"])
+def test_stash_slots_are_as_many_as_the_most_live_chunks(P, V, M, kind):
+    """The executor's slot allocation: the most chunks live at once (1F1B's peak), plus at most one slot for the
+    writes of idle forward slots when every other is taken; zb1's cotangents need fewer than 2P."""
+    s = SCHEDULES[kind](P, V, M)
+    _, _, _, residual_slots, _, _, cotangent_slots = _stash_plan(s, _segments(s))
+    assert min(M * V, V * P + P - 1) <= residual_slots <= min(M * V, V * P + P - 1) + 1 <= 2 * V * P
+    assert cotangent_slots <= 2 * P - 1

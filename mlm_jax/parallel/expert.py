@@ -80,7 +80,7 @@ def expert_parallel_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: j
     if F % tp:
         raise ValueError(f"expert ffn dim {F} cannot be split over tensor-parallel degree {tp}")
     # jax 0.11 aborts on nested manual axes that precede the outer ones in mesh order ("Manual axes must be
-    # sorted"): those (data, inside pipeline stages) stay automatic, at the price of resharding the tokens.
+    # sorted"): none do in the trainer's mesh (`stage` first), but such axes would stay automatic.
     token_axes = tuple(a for a in (*DATA_AXES, SEQ) if size.get(a, 1) > 1 and mesh.axis_names.index(a) >= first)
     cap = dict(capacity_factor=capacity_factor, capacity_group_rows=capacity_group_rows)
     if not token_axes and tp == 1:
@@ -112,7 +112,7 @@ def expert_parallel_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: j
     # all-reduce's reduction (the psums below, and the implicit ones summing the cotangents of inputs replicated
     # over manual axes: the weights over the token axes, the tokens over `tensor`) in a sharding custom call,
     # which XLA CPU's AllReducePromotion (bf16 -> f32) cannot clone: the process aborts in bf16. Fully manual, jax
-    # emits a plain add. (Nested in pipeline stages `data` stays automatic; MoE does not run there yet.)
+    # emits a plain add.
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, in_EDF, in_EDF, in_EFD),
                          out_specs=(tokens, PartitionSpec()), axis_names=set(mesh.axis_names[first:]),
                          check_vma=False)(x_BSD, experts_BSK, weights_BSK, gate_EDF, up_EDF, down_EFD)

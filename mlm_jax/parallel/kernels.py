@@ -1,6 +1,9 @@
 """The explicit-collective kernels a layout needs, for `train.step` to install (`layers.axes.kernels`).
 
-Context parallelism replaces attention with `context.context_attention` and permutes every batch once into the
+Pipeline stages (without context parallelism) run attention in `stage_attention`, a `shard_map` manual over every
+axis the stages' own is not: custom-partitioned kernels (cuDNN attention's partitioner) fail inside a partially
+manual `shard_map`, and a fully manual one calls them as plain kernels on each device's shard. Context parallelism
+replaces attention with `context.context_attention` and permutes every batch once into the
 load-balanced order (rank r holds chunks r and 2*cp-1-r), with the RoPE positions travelling with the tokens; the
 loss is a mean over tokens, so the permutation leaves it unchanged. Expert parallelism replaces the experts'
 computation with `expert.expert_parallel_ffn` whenever tokens are split over devices (with `expert` = 1 too: each
@@ -9,10 +12,12 @@ device then sorts and multiplies only its own tokens, and the Hopper grouped GEM
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.config import Config
 from mlm_jax.layers import axes as ax
@@ -20,10 +25,14 @@ from mlm_jax.parallel.context import context_attention, load_balance_order
 from mlm_jax.parallel.expert import expert_parallel_ffn
 
 
-def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int]) -> tuple[dict[str, Callable], Callable | None]:
-    """(kernels by name, batch preparation or None) for this layout."""
+def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int],
+                     resolver: Callable) -> tuple[dict[str, Callable], Callable | None]:
+    """(kernels by name, batch preparation or None) for this layout; `resolver` lays out activations by the rules
+    table (`sharding.activation_resolver`)."""
     kernels, prepare = {}, None
     cp = degrees["context"]
+    if degrees["stage"] > 1 and cp == 1:
+        kernels[ax.ATTENTION] = functools.partial(stage_attention, resolver=resolver)
     if cp > 1:
         kernels[ax.ATTENTION] = functools.partial(context_attention, mesh=mesh,
                                                   strategy=cfg.parallel.context_strategy)
@@ -38,3 +47,31 @@ def load_balance(batch: dict, perm) -> dict:
     out = {k: ax.constrain(v[:, perm], (ax.ACT_BATCH, ax.ACT_SEQ)) for k, v in batch.items()}
     out["positions"] = ax.constrain(jnp.broadcast_to(perm, batch["inputs"].shape), (ax.ACT_BATCH, ax.ACT_SEQ))
     return out
+
+
+def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable) -> jax.Array:
+    """Causal attention inside a pipeline stage, in a `shard_map` manual over the axes the stage's is not.
+
+    Batch and heads are split as the rules table lays out attention's activations (`resolver`), the sequence never
+    (each device needs all of its rows' keys); K/V heads take the query heads' axes, so each device keeps whole
+    GQA groups, or stay whole with them.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
+    if mesh.empty or not mesh.manual_axes:
+        return attend(q_BSNH, k_BSKH, v_BSKH)
+    free = [a for a in mesh.axis_names if a not in mesh.manual_axes]
+
+    def axes(names, shape, dim):
+        spec = resolver(names, shape).spec
+        entry = spec[dim] if dim < len(spec) else None
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in free)
+        return kept or None
+
+    batch = axes((ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None), q_BSNH.shape, 0)
+    heads = axes((ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None), q_BSNH.shape, 2)
+    if heads is not None and k_BSKH.shape[2] % math.prod(mesh.shape[a] for a in heads):
+        heads = None
+    spec = PartitionSpec(batch, None, heads, None)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=set(free),
+                         check_vma=False)(q_BSNH, k_BSKH, v_BSKH)

@@ -25,7 +25,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.layers import axes as ax
 from mlm_jax.layers.transformer import default_positions
-from mlm_jax.parallel.schedule import Schedule, forward_index
+from mlm_jax.parallel.schedule import Schedule
+from mlm_jax.parallel.split_vjp import split_pullback
 
 STAGE = "stage"
 
@@ -65,29 +66,49 @@ def _add_at(acc, i, g):
     return jax.tree.map(lambda a, x: a.at[i].add(x.astype(a.dtype)), acc, g)
 
 
-def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule,
-                            loss_fn: Callable, compute_dtype=jnp.float32) -> tuple[jax.Array, dict]:
-    """Mean loss over the batch and its gradient with respect to `params`, computed by `schedule`."""
-    P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
-    L = jax.tree.leaves(params["blocks"])[0].shape[0]
-    Lc = L // (V * P)
-    blocks = jax.tree.map(lambda a: a.reshape(V, P, Lc, *a.shape[1:]), params["blocks"])
+def _split(params, batch, M: int):
+    """(the parameters other than the blocks, the batch as M microbatches with its positions)."""
     rest = {k: v for k, v in params.items() if k != "blocks"}
     positions_BS = batch["positions"] if "positions" in batch else default_positions(batch["inputs"])
     data = {"tokens": _split_microbatches(batch["inputs"], M, ax.ACT_SEQ_SP),  # the embedding's output layout
             "targets": _split_microbatches(batch["targets"], M, ax.ACT_SEQ),  # the logits' layout
             "positions": _split_microbatches(positions_BS, M, ax.ACT_SEQ)}
+    return rest, data
+
+
+def _chunked(blocks, P: int, V: int):
+    L = jax.tree.leaves(blocks)[0].shape[0]
+    return jax.tree.map(lambda a: a.reshape(V, P, L // (V * P), *a.shape[1:]), blocks), L
+
+
+def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule,
+                            loss_fn: Callable, compute_dtype=jnp.float32, moe=None) -> tuple[dict, dict]:
+    """(metrics, gradient with respect to `params`) of the batch, computed by `schedule`: the mean cross-entropy
+    as `metrics["loss"]` and, for an MoE model (`moe`, its config), the MoE losses in the objective and their
+    statistics in the metrics, as the plain step reports them."""
+    blocks, L = _chunked(params["blocks"], schedule.stages, schedule.virtual)
+    rest, data = _split(params, batch, schedule.microbatches)
+    kw = dict(mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L, moe=moe)
     if schedule.kind == "gpipe":
-        return _gpipe(graphdef, blocks, rest, data, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L)
-    return _one_f_one_b(graphdef, blocks, rest, data, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L,
-                        compute_dtype=compute_dtype)
+        return _gpipe(graphdef, blocks, rest, data, **kw)
+    return _one_f_one_b(graphdef, blocks, rest, data, compute_dtype=compute_dtype, **kw)
+
+
+def pipeline_loss(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule, loss_fn: Callable,
+                  moe=None) -> jax.Array:
+    """Mean cross-entropy over the batch through the pipeline's forward ticks (evaluation: the weights stay on
+    their stages, and only activations move)."""
+    blocks, L = _chunked(params["blocks"], schedule.stages, schedule.virtual)
+    rest, data = _split(params, batch, schedule.microbatches)
+    loss_of = _forward_loss(graphdef, blocks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L, moe=moe)
+    return loss_of(blocks, _f32(rest), data)[1]
 
 
 class _Stage:
     """The model pieces one stage runs, as functions of explicit parameters."""
 
-    def __init__(self, graphdef, blocks_local, data, loss_fn, M):
-        self.graphdef, self.loss_fn, self.M = graphdef, loss_fn, M
+    def __init__(self, graphdef, blocks_local, data, loss_fn, M, moe=None, layers=1):
+        self.graphdef, self.loss_fn, self.M, self.moe, self.layers = graphdef, loss_fn, M, moe, layers
         self.tokens, self.targets, self.positions = data["tokens"], data["targets"], data["positions"]
         self.placeholder = _at(blocks_local, 0)  # merge needs some blocks; the chunk's own are passed explicitly
 
@@ -98,8 +119,16 @@ class _Stage:
         return self.model(rest).embed(self.tokens[m])
 
     def chunk(self, rest, chunk_blocks, x_bSD, m):
+        """The chunk's output and its layers' MoE routing statistics ({} for dense blocks)."""
         x_bSD = ax.constrain(x_bSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
-        return self.model(rest).run_blocks(x_bSD, self.positions[m], chunk_blocks)[0]
+        return self.model(rest).run_blocks(x_bSD, self.positions[m], chunk_blocks)
+
+    def moe_term(self, stats) -> jax.Array:
+        """The chunk's share of the MoE losses in the objective: means over all MoE layers and microbatches."""
+        if not stats:
+            return jnp.zeros((), jnp.float32)
+        total = self.moe.aux_loss_coef * jnp.sum(stats["aux_loss"]) + self.moe.z_loss_coef * jnp.sum(stats["z_loss"])
+        return total.astype(jnp.float32) / (self.layers * self.M)
 
     def loss(self, rest, y_bSD, m):
         """This microbatch's share of the mean loss (all microbatches have the same number of tokens)."""
@@ -131,17 +160,50 @@ def stash_policy(prim, *_, **__) -> bool:
     return prim.name not in _RECOMPUTED
 
 
-def _segments(schedule: Schedule) -> list[tuple[int, int, bool, bool]]:
-    """The ticks as runs (start, stop, forward slot runs, backward slot runs): a slot that no stage uses over a run
-    of ticks (the warm-up's backward, the cool-down's forward) is left out of that run's program."""
+def _segments(schedule: Schedule) -> list[tuple[int, int, bool, bool, bool]]:
+    """The ticks as runs (start, stop, forward slot runs, backward slot runs, weight gradients deferred): a slot
+    that no stage uses over a run of ticks (the warm-up's backward, the cool-down's forward) is left out of that
+    run's program. A split schedule's tick where every stage's W is its own B of that tick runs the whole
+    backward in the B slot, as 1F1B does; only the other ticks split it and defer W."""
     runs: list[list] = []
-    for t, (fw, bw) in enumerate(zip(schedule.forward, schedule.backward)):
-        kind = (any(w is not None for w in fw), any(w is not None for w in bw))
+    weight = schedule.weight or schedule.backward
+    for t, (fw, bw, ww) in enumerate(zip(schedule.forward, schedule.backward, weight)):
+        kind = (any(w is not None for w in fw), any(w is not None for w in bw), tuple(bw) != tuple(ww))
         if runs and tuple(runs[-1][2:]) == kind:
             runs[-1][1] = t + 1
         else:
             runs.append([t, t + 1, *kind])
     return [tuple(r) for r in runs]
+
+
+def _allocate(rows, lives) -> tuple[np.ndarray, dict, int]:
+    """Stash slots, like registers: `rows[t][p]` is the key (v, m) stage p writes at tick t, None for an idle slot
+    that still writes (to a slot free at t), or ... for no write; `lives[p][key]` the ticks (first, last) its value
+    is read until. A slot is reused from the tick after its last read (within a tick, writes come before reads).
+    Returns (write slot [t, p], slot of each key per stage, slot count): the most values live at once, plus one
+    where an idle write found every slot taken."""
+    ticks, P = len(rows), len(rows[0]) if rows else 0
+    write, where, count = np.zeros((ticks, P), np.int32), [{} for _ in range(P)], 0
+    for p in range(P):
+        last = []  # per slot: the last tick its value is read
+        for t in range(ticks):
+            key = rows[t][p]
+            if key is ...:
+                continue
+            free = [i for i, e in enumerate(last) if e < t]
+            i = free[0] if free else len(last)
+            if not free:
+                last.append(-1)
+            if key is not None:
+                last[i], where[p][key] = lives[p][key][1], i
+            write[t, p] = i
+        count = max(count, len(last))
+    return write, where, count
+
+
+def _read(rows, where) -> np.ndarray:
+    """[t, p]: the slot holding `rows[t][p]`'s value (0 for an idle entry: read, then discarded)."""
+    return np.array([[where[p][w] if w is not None else 0 for p, w in enumerate(r)] for r in rows], np.int32)
 
 
 class Residuals:
@@ -165,7 +227,34 @@ class Residuals:
         return jax.tree.unflatten(self.treedef, [next(it) if j is None else w[j] for j in self.weight_at])
 
 
-def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers, compute_dtype):
+def _stash_plan(schedule: Schedule, segments):
+    """Slot tables of the residual stash (a chunk's residuals live from its F to its backward, or to its W when
+    that is deferred) and of the cotangent stash (from a deferred tick's B to its W), and their slot counts."""
+    P, ticks = schedule.stages, schedule.ticks
+    deferred = np.zeros(ticks, bool)
+    runs_f = np.zeros(ticks, bool)
+    for start, stop, run_f, _, defer in segments:
+        deferred[start:stop], runs_f[start:stop] = defer, run_f
+    weight = schedule.weight or schedule.backward
+    when = {name: [{} for _ in range(P)] for name in ("f", "b", "w")}
+    for name, table in (("f", schedule.forward), ("b", schedule.backward), ("w", weight)):
+        for t, row in enumerate(table):
+            for p, work in enumerate(row):
+                if work is not None:
+                    when[name][p][work] = t
+    res_lives = [{k: (t, when["w"][p][k] if deferred[when["b"][p][k]] else when["b"][p][k])
+                  for k, t in when["f"][p].items()} for p in range(P)]
+    res_rows = [[w if runs_f[t] else ... for w in row] for t, row in enumerate(schedule.forward)]
+    res_write, res_where, res_slots = _allocate(res_rows, res_lives)
+    cot_lives = [{k: (t, when["w"][p][k]) for k, t in when["b"][p].items() if deferred[t]} for p in range(P)]
+    cot_rows = [[w if deferred[t] else ... for w in row] for t, row in enumerate(schedule.backward)]
+    cot_write, cot_where, cot_slots = _allocate(cot_rows, cot_lives)
+    w_rows = [[w if deferred[t] else None for w in row] for t, row in enumerate(weight)]
+    return (res_write, _read(schedule.backward, res_where), _read(w_rows, res_where), res_slots, cot_write,
+            _read(w_rows, cot_where), cot_slots)
+
+
+def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers, compute_dtype, moe):
     """Circular 1F1B: the forward slot runs a chunk under `jax.vjp` and stashes its residuals, the backward slot
     rebuilds that pullback; no chunk is computed twice.
 
@@ -177,30 +266,38 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layer
     """
     P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
     (fwd_ok, fwd_v, fwd_m), (bwd_ok, bwd_v, bwd_m) = _tables(schedule.forward), _tables(schedule.backward)
-    slots = 2 * V * P  # live stash entries; one more slot takes the writes of idle forward slots
+    segments = _segments(schedule)
+    split = any(deferred for *_, deferred in segments)  # some W's run after their B's tick
+    if split:
+        w_ok, w_v, _ = _tables(schedule.weight)
     to_next = [(i, (i + 1) % P) for i in range(P)]
     to_prev = [(i, (i - 1) % P) for i in range(P)]
-    slot_of = np.full((V, M), slots, np.int32)
-    for v in range(V):
-        for m in range(M):
-            slot_of[v, m] = forward_index(P, V, v, m) % slots
-    slot_of = jnp.asarray(slot_of)
+    res_write, res_b, res_w, res_slots, cot_write, cot_w, cot_slots = (
+        jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in _stash_plan(schedule, segments))
 
     def per_stage(blocks, rest, data):
         blocks = _cast_floating(jax.tree.map(lambda a: a[:, 0], blocks), compute_dtype)  # (V, Lc, ...)
-        st = _Stage(graphdef, blocks, data, loss_fn, M)
+        st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layers)
         p = jax.lax.axis_index(STAGE)
         residuals = Residuals()
+        analysed = {}  # the split of the chunk's pullback into B and W (split schedules), made at the first trace
 
         def forward(act_in, v, m):
-            """(chunk output, stashable residuals)."""
+            """(chunk output, stashable residuals, routing statistics)."""
             x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
             weights = _at(blocks, v)
             chunk = jax.checkpoint(lambda w, x: st.chunk(rest, w, x, m), policy=stash_policy, prevent_cse=False)
-            y, pullback = jax.vjp(chunk, weights, x)
-            return y, residuals.split(pullback, weights)
 
-        y0, res0 = jax.eval_shape(forward, jax.eval_shape(lambda: st.embed(rest, 0)), 0, 0)
+            def run(w, x):
+                y, stats = chunk(w, x)
+                return (y, st.moe_term(stats)), stats
+
+            (y, term), pullback, stats = jax.vjp(run, weights, x, has_aux=True)
+            if split and not analysed:
+                analysed["split"] = split_pullback(pullback, (y, term))
+            return y, residuals.split(pullback, weights), stats
+
+        y0, res0, stats0 = jax.eval_shape(forward, jax.eval_shape(lambda: st.embed(rest, 0)), 0, 0)
         zero_act = jnp.zeros(y0.shape, y0.dtype)
 
         def head(y, g_rest, ok, m):
@@ -211,98 +308,145 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layer
             return (ok * loss.astype(jnp.float32), jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_rest, g_r),
                     g_y.astype(zero_act.dtype))
 
-        def backward(stashed, y, g_in, g_rest, v, m, ok):
+        def backward(stashed, y, g_in, g_rest, v, m, ok, defer):
             is_last = (v == V - 1) & (p == P - 1)
             loss, g_rest, g_y = jax.lax.cond(
                 is_last, lambda: head(y, g_rest, ok, m),
                 lambda: (jnp.zeros((), jnp.float32), g_rest, g_in * ok.astype(g_in.dtype)))
-            g_w, g_x = residuals.join(stashed, _at(blocks, v))(g_y)
+            pullback = residuals.join(stashed, _at(blocks, v))
+            if defer:  # the input gradient only, and what the weight gradient will need
+                (g_x, kept), g_w = analysed["split"].input_grad(pullback, (g_y, ok.astype(jnp.float32))), None
+            else:
+                (g_w, g_x), kept = pullback((g_y, ok.astype(jnp.float32))), None
 
             def embedding_grad():
                 _, pullback = jax.vjp(lambda r: st.embed(r, m), rest)
                 return jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_rest, pullback(g_x)[0])
 
             g_rest = jax.lax.cond((v == 0) & (p == 0) & (ok == 1), embedding_grad, lambda: g_rest)
-            return loss, g_w, g_rest, g_x
+            return loss, g_w, kept, g_rest, g_x
 
-        def tick(run_forward, run_backward):
+        def weight_grad(stash, cots, g_blocks, v, t):
+            """W of a split schedule: the weight gradient of (v, m) from its residuals and B's cotangents."""
+            stashed = [jax.lax.dynamic_index_in_dim(s, res_w[t, p], 0, keepdims=False) for s in stash]
+            kept = [jax.lax.dynamic_index_in_dim(c, cot_w[t, p], 0, keepdims=False) for c in cots]
+            return _add_at(g_blocks, v, analysed["split"].weight_grad(residuals.join(stashed, _at(blocks, v)), kept))
+
+        def tick(run_forward, run_backward, deferred):
             def body(carry, t):
-                act_in, grad_in, stash, g_blocks, g_rest, loss = carry
+                act_in, grad_in, stash, cots, g_blocks, g_rest, loss, stats_acc = carry
                 y = zero_act
                 if run_forward:
-                    v, m = fwd_v[t, p], fwd_m[t, p]
-                    y, res = forward(act_in, v, m)
-                    slot = jnp.where(fwd_ok[t, p] == 1, slot_of[v, m], slots)
-                    stash = [jax.lax.dynamic_update_index_in_dim(s, r.astype(s.dtype), slot, 0)
+                    v, m, ok = fwd_v[t, p], fwd_m[t, p], fwd_ok[t, p]
+                    y, res, stats = forward(act_in, v, m)
+                    stash = [jax.lax.dynamic_update_index_in_dim(s, r.astype(s.dtype), res_write[t, p], 0)
                              for s, r in zip(stash, res)]
+                    stats_acc = _add_at(stats_acc, v, jax.tree.map(lambda a: a * (ok / M), stats))
                 g_x = zero_act
                 if run_backward:
                     v, m = bwd_v[t, p], bwd_m[t, p]
-                    stashed = [jax.lax.dynamic_index_in_dim(s, slot_of[v, m], 0, keepdims=False) for s in stash]
-                    l, g_w, g_rest, g_x = backward(stashed, y, grad_in, g_rest, v, m, bwd_ok[t, p])
-                    g_blocks = _add_at(g_blocks, v, g_w)
+                    stashed = [jax.lax.dynamic_index_in_dim(s, res_b[t, p], 0, keepdims=False) for s in stash]
+                    l, g_w, kept, g_rest, g_x = backward(stashed, y, grad_in, g_rest, v, m, bwd_ok[t, p], deferred)
+                    if deferred:
+                        cots = [jax.lax.dynamic_update_index_in_dim(c, k.astype(c.dtype), cot_write[t, p], 0)
+                                for c, k in zip(cots, kept)]
+                    else:
+                        g_blocks = _add_at(g_blocks, v, g_w)
                     loss = loss + l
+                if deferred:  # skipped where idle: W has no collectives a neighbour waits for
+                    v = w_v[t, p]
+                    g_blocks = jax.lax.cond(w_ok[t, p] == 1, lambda: weight_grad(stash, cots, g_blocks, v, t),
+                                            lambda: g_blocks)
                 act_out = jax.lax.ppermute(y, STAGE, to_next)
                 grad_out = jax.lax.ppermute(g_x.astype(zero_act.dtype), STAGE, to_prev)
-                return (act_out, grad_out, stash, g_blocks, g_rest, loss), None
+                return (act_out, grad_out, stash, cots, g_blocks, g_rest, loss, stats_acc), None
             return body
 
-        carry = (zero_act, zero_act, [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in res0],
-                 _zeros(blocks, jnp.float32), _zeros(rest, jnp.float32), jnp.zeros((), jnp.float32))
-        for start, stop, run_forward, run_backward in _segments(schedule):
-            carry, _ = jax.lax.scan(tick(run_forward, run_backward), carry, jnp.arange(start, stop))
-        _, _, _, g_blocks, g_rest, loss = carry
-        g_blocks = jax.tree.map(lambda a: a[:, None], g_blocks)
-        return jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), g_blocks
+        cots = [jnp.zeros((cot_slots, *k.shape), k.dtype) for k in analysed["split"].kept_shapes] if split else []
+        carry = (zero_act, zero_act, [jnp.zeros((res_slots, *r.shape), r.dtype) for r in res0], cots,
+                 _zeros(blocks, jnp.float32), _zeros(rest, jnp.float32), jnp.zeros((), jnp.float32),
+                 _zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((V, *a.shape), jnp.float32), stats0)))
+        for start, stop, *slots_run in segments:
+            carry, _ = jax.lax.scan(tick(*slots_run), carry, jnp.arange(start, stop))
+        _, _, _, _, g_blocks, g_rest, loss, stats = carry
+        per_chunk = lambda a: a[:, None]  # noqa: E731  (V, 1, Lc, ...): this stage's part of (V, P, Lc, ...)
+        return (jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), jax.tree.map(per_chunk, g_blocks),
+                jax.tree.map(per_chunk, stats))
 
     blocks_spec, rest_spec = _specs(blocks, rest)
-    loss, g_rest, g_blocks = jax.shard_map(
+    loss, g_rest, g_blocks, stats = jax.shard_map(
         per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
-        out_specs=(PartitionSpec(), rest_spec, blocks_spec), axis_names={STAGE}, check_vma=False,
+        out_specs=(PartitionSpec(), rest_spec, blocks_spec, PartitionSpec(None, STAGE)), axis_names={STAGE},
+        check_vma=False,
     )(blocks, rest, data)
     g_blocks = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), g_blocks)
-    return loss, {**g_rest, "blocks": g_blocks}
+    return _metrics(loss, stats, layers), {**g_rest, "blocks": g_blocks}
 
 
-def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers):
+def _metrics(loss, stats_VPL, layers: int) -> dict:
+    """The step's metrics as the plain step reports them: MoE statistics per layer, in model order."""
+    if not stats_VPL:
+        return {"loss": loss}
+    stats = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), stats_VPL)
+    return {"loss": loss, "moe_aux_loss": jnp.mean(stats["aux_loss"]), "moe_z_loss": jnp.mean(stats["z_loss"]),
+            "moe_dropped": stats["dropped"], "moe_load": stats["load"]}
+
+
+def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layers, moe) -> Callable:
+    """`loss(blocks, rest, data) -> (objective, cross-entropy, per-chunk statistics)` through the schedule's forward
+    ticks (every schedule runs forward f at tick f + p), means over the batch. The chunk runs on every stage at
+    every tick, its results discarded where the table says idle, so collectives inside it run on all devices.
+
+    The stage-replicated `rest` enters in fp32 and is cast back inside, so that the psum over stages that autodiff
+    puts on its gradient is fp32 (jax 0.10 lowers a bf16 psum in a partially manual shard_map with a sharding
+    constraint inside the reducer, on which XLA CPU's bf16 all-reduce promotion crashes)."""
     P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
     fwd_ok, fwd_v, fwd_m = _tables(schedule.forward)
-    ticks = M * V + P - 1  # the forward half of the table; autodiff runs the rest
+    ticks = M * V + P - 1
     to_next = [(i, (i + 1) % P) for i in range(P)]
-
-    # The stage-replicated `rest` enters in fp32 and is cast back inside, so that the psum over stages that autodiff
-    # puts on its gradient is fp32: jax (0.10) lowers a bf16 psum in a partially manual shard_map with a sharding
-    # constraint inside the reducer, on which XLA CPU's bf16 all-reduce promotion crashes.
     dtypes = jax.tree.map(lambda a: a.dtype, rest)
 
     def per_stage(blocks, rest, data):
         blocks = jax.tree.map(lambda a: a[:, 0], blocks)
         rest = jax.tree.map(lambda a, d: a.astype(d), rest, dtypes)
-        st = _Stage(graphdef, blocks, data, loss_fn, M)
+        st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layers)
         p = jax.lax.axis_index(STAGE)
-        x0 = jax.eval_shape(lambda: st.embed(rest, 0))
-        zero_act = jnp.zeros(x0.shape, x0.dtype)
-
-        def forward(act_in, v, m):
-            x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
-            y = st.chunk(rest, _at(blocks, v), x, m)
-            loss = jax.lax.cond((v == V - 1) & (p == P - 1), lambda: st.loss(rest, y, m).astype(jnp.float32),
-                                lambda: jnp.zeros((), jnp.float32))
-            return y, loss
 
         def tick(carry, t):
-            act_in, loss = carry
-            y, l = jax.lax.cond(fwd_ok[t, p] == 1, forward, lambda a, v, m: (zero_act, jnp.zeros((), jnp.float32)),
-                                act_in, fwd_v[t, p], fwd_m[t, p])
-            return (jax.lax.ppermute(y, STAGE, to_next), loss + l), None
+            act_in, loss, term, stats_acc = carry
+            v, m, ok = fwd_v[t, p], fwd_m[t, p], fwd_ok[t, p]
+            x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
+            y, stats = st.chunk(rest, _at(blocks, v), x, m)
+            loss = jax.lax.cond((v == V - 1) & (p == P - 1) & (ok == 1),
+                                lambda: loss + st.loss(rest, y, m).astype(jnp.float32), lambda: loss)
+            term = term + ok * st.moe_term(stats)
+            stats_acc = _add_at(stats_acc, v, jax.tree.map(lambda a: a * (ok / M), stats))
+            return (jax.lax.ppermute(y, STAGE, to_next), loss, term, stats_acc), None
 
-        (_, loss), _ = jax.lax.scan(tick, (zero_act, jnp.zeros((), jnp.float32)), jnp.arange(ticks))
-        return jax.lax.psum(loss, STAGE)
+        x0 = jax.eval_shape(lambda: st.embed(rest, 0))
+        stats0 = jax.eval_shape(lambda x: st.chunk(rest, _at(blocks, 0), x, 0)[1], x0)
+        zero = jnp.zeros((), jnp.float32)
+        init = (jnp.zeros(x0.shape, x0.dtype), zero, zero,
+                _zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((V, *a.shape), jnp.float32), stats0)))
+        (_, loss, term, stats), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
+        loss, term = jax.lax.psum(loss, STAGE), jax.lax.psum(term, STAGE)
+        return loss + term, loss, jax.tree.map(lambda a: a[:, None], stats)
 
     blocks_spec, rest_spec = _specs(blocks, rest)
-    pipeline_loss = jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
-                                  out_specs=PartitionSpec(), axis_names={STAGE}, check_vma=False)
-    loss, (g_blocks, g_rest) = jax.value_and_grad(lambda b, r: pipeline_loss(b, r, data), argnums=(0, 1))(
+    return jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
+                         out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(None, STAGE)),
+                         axis_names={STAGE}, check_vma=False)
+
+
+def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers, moe):
+    loss_of = _forward_loss(graphdef, blocks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=layers,
+                            moe=moe)
+
+    def objective(blocks, rest):
+        total, loss, stats = loss_of(blocks, rest, data)
+        return total, (loss, stats)
+
+    (_, (loss, stats)), (g_blocks, g_rest) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
         blocks, _f32(rest))
     g_blocks = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), g_blocks)
-    return loss, {**g_rest, "blocks": g_blocks}
+    return _metrics(loss, stats, layers), {**g_rest, "blocks": g_blocks}

@@ -13,7 +13,10 @@ from jax.sharding import PartitionSpec
 from mlm_jax.config import ConfigError
 from mlm_jax.layers import axes as ax
 
-MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")  # outer (slow links) to inner (fast)
+# Outer (slow links) to inner (fast). `stage` is outermost: pipeline stages are a shard_map manual over it, and the
+# kernels nested inside them (expert and context parallelism) go manual over every other axis, which jax (0.11)
+# allows only for axes that follow the outer manual ones in mesh order.
+MESH_AXES = ("stage", "data", "fsdp", "context", "expert", "tensor")
 DATA_AXES = ("data", "fsdp", "expert")  # the axes a batch is split over
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]

@@ -23,8 +23,8 @@ from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import any_process, shared_time
 from mlm_jax.parallel.mesh import build_mesh, dcn_degrees
 from mlm_jax.parallel.kernels import parallel_kernels
-from mlm_jax.parallel.pipeline import pipeline_value_and_grad
-from mlm_jax.parallel.schedule import SCHEDULES, Schedule, theoretical_bubble
+from mlm_jax.parallel.pipeline import pipeline_loss, pipeline_value_and_grad
+from mlm_jax.parallel.schedule import SCHEDULES, Schedule
 from mlm_jax.parallel.rules import make_rules, resolve
 from mlm_jax.train import checkpoint as ckpt
 from mlm_jax.train import metrics as mt
@@ -151,13 +151,14 @@ class Trainer:
         p = cfg.parallel
         if schedule is None and self.degrees["stage"] > 1:
             schedule = SCHEDULES[p.pipeline_schedule](self.degrees["stage"], p.virtual_stages, self.accum_steps)
-        self.schedule, pipeline = schedule, None
-        if schedule is not None:
-            pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef, mesh=self.mesh,
-                                         schedule=schedule, loss_fn=cross_entropy,
-                                         compute_dtype=jnp.dtype(cfg.model.dtype))
         moe = cfg.model.moe if cfg.model.moe.enabled else None
-        kernels, prepare = parallel_kernels(cfg, self.mesh, self.degrees)
+        self.schedule, pipeline, forward = schedule, None, None
+        if schedule is not None:
+            kw = dict(mesh=self.mesh, schedule=schedule, loss_fn=cross_entropy, moe=moe)
+            pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef,
+                                         compute_dtype=jnp.dtype(cfg.model.dtype), **kw)
+            forward = functools.partial(pipeline_loss, self.spec.graphdef, **kw)
+        kernels, prepare = parallel_kernels(cfg, self.mesh, self.degrees, self.resolver)
         grads = make_grad_fn(
             self.spec.graphdef, accum_steps=self.accum_steps, resolver=self.resolver,
             master_shardings=self.master_shardings,
@@ -170,7 +171,7 @@ class Trainer:
                                    out_shardings=(shardings, None), donate_argnums=0)
         self._grads = jax.jit(grads, in_shardings=(self.master_shardings, batch_shardings),
                               out_shardings=(None, self.master_shardings))
-        self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver, moe, kernels, prepare),
+        self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver, moe, kernels, prepare, forward),
                                   in_shardings=(self.master_shardings, batch_shardings))
         self._compiled = None
 
@@ -304,7 +305,7 @@ class Trainer:
         if self.schedule is not None:
             s = self.schedule
             print(f"pipeline: {s.kind}, {s.stages} stages x {s.virtual} virtual, {s.microbatches} microbatches, "
-                  f"{s.ticks} ticks, bubble {100 * theoretical_bubble(s.stages, s.virtual, s.microbatches):.1f}%")
+                  f"{s.ticks} ticks, bubble {100 * s.bubble():.1f}%")
         if self.resumed_from:
             print(f"resumed from {self.resumed_from}")
         if cfg.log.sharding_report:

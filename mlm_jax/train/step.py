@@ -55,7 +55,7 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
 
     With `compute_shardings` (ZeRO-1), the sharded fp32 master weights are cast to `compute_dtype` and gathered
     into the compute layout once per step; gradients come back reduce-scattered into the master layout.
-    `pipeline(params, batch) -> (loss, grads)` replaces autodiff and the accumulation scan: it runs the
+    `pipeline(params, batch) -> (metrics, grads)` replaces autodiff and the accumulation scan: it runs the
     microbatches through the pipeline stages itself.
     """
     loss_fn = make_loss_fn(graphdef, moe)
@@ -63,8 +63,8 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
         value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
     else:
         def value_and_grad(params, batch):
-            loss, grads = pipeline(params, batch)
-            return (loss, {"loss": loss}), grads
+            metrics, grads = pipeline(params, batch)
+            return (metrics["loss"], metrics), grads
 
     def grads_of(params, batch):
         """(metrics, gradients) of one (micro)batch."""
@@ -144,14 +144,17 @@ def make_train_step(tx: optax.GradientTransformation, grads_fn: Callable, *, lr_
 
 
 def make_eval_step(graphdef, resolver: Callable, moe: MoEConfig | None = None, kernels: dict | None = None,
-                   prepare: Callable | None = None) -> Callable:
-    """`eval_step(params, batch) -> cross-entropy` (without the MoE losses)."""
+                   prepare: Callable | None = None, pipeline_loss: Callable | None = None) -> Callable:
+    """`eval_step(params, batch) -> cross-entropy` (without the MoE losses); `pipeline_loss(params, batch)` runs
+    it through the pipeline stages."""
     loss_fn = make_loss_fn(graphdef, moe)
 
     def eval_step(params, batch):
         with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
             if prepare is not None:
                 batch = prepare(batch)
+            if pipeline_loss is not None:
+                return pipeline_loss(params, batch)
             return loss_fn(params, batch)[1]["loss"]
 
     return eval_step
