@@ -6,10 +6,15 @@ fsdp, tensor, ...) stays automatic inside each stage. Each tick runs the schedul
 slot, then two `ppermute`s: activations to the next stage and gradients to the previous one, both wrapping
 around (stage P-1 feeds chunk v+1 on stage 0).
 
-1F1B schedules backward passes itself: the forward slot runs the chunk under `jax.vjp` and stashes the pullback's
-residuals (at most 2*V*P chunks' worth, whatever the number of microbatches), the backward slot rebuilds the
-pullback from them, so no chunk is computed twice. GPipe runs only the forward ticks and lets autodiff produce the
-backward (all microbatches stay alive); it is the reference the 1F1B executor is tested against.
+1F1B and zb1 schedule backward passes themselves: the forward slot runs the chunk under `jax.vjp` and stashes the
+pullback's residuals in slots allocated from the schedule table (the most chunks live at once, at most 2*V*P - 1,
+whatever the number of microbatches), the backward slot rebuilds the pullback from them, so no chunk is computed
+twice. zb1 splits the backward where the table defers a weight gradient (`split_vjp`): B computes the input
+gradient and stashes the matmul cotangents, a later W slot the weight gradient. GPipe runs only the forward ticks
+and lets autodiff produce the backward (all microbatches stay alive).
+
+Collectives inside a chunk (tensor, expert and context parallelism) run in every stage's program at the same tick:
+slots run on all stages of a run of ticks that needs them, idle ones on stale inputs with their results discarded.
 
 Shapes: M microbatches, b rows each, S sequence, D model.
 """
