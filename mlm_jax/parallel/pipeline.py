@@ -260,11 +260,12 @@ def _stash_plan(schedule: Schedule, segments):
 
 
 def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers, compute_dtype, moe):
-    """Circular 1F1B: the forward slot runs a chunk under `jax.vjp` and stashes its residuals, the backward slot
-    rebuilds that pullback; no chunk is computed twice.
+    """Circular 1F1B (and zb1): the forward slot runs a chunk under `jax.vjp` and stashes its residuals, the
+    backward slot rebuilds that pullback; no chunk is computed twice. zb1's deferred ticks split the backward
+    into B (input gradient; the cotangents W needs are stashed) and a W slot that runs where the table says.
 
     Slots run on every stage of a run of ticks that any stage needs them in; a stage whose table entry is idle
-    computes on stale inputs and its results are discarded (a zero cotangent, a write to a spare stash slot): in
+    computes on stale inputs and its results are discarded (a zero cotangent, a write to a free stash slot): in
     lockstep ticks it would otherwise wait, and collectives inside a chunk (ring attention, expert all-to-alls)
     then run on every device. The chunks' weights are cast to the compute dtype once per step, so the pullback
     holds the cast weights by identity (filtered out of the stash) rather than a copy per microbatch.
