@@ -1,7 +1,8 @@
-"""Every assignment of the six mesh degrees whose product is 8 (56; 50 for MoE) either trains 2 steps or is refused
-in one line before anything is traced; none ends in a traceback or an abort. A dense model runs with sequence
-parallelism and virtual stages wherever they apply, an MoE model without them and with at most 2 pipeline stages
-(the equivalence tests cover MoE in virtual stages; `test_sweep_precision.py` has the precisions).
+"""Every assignment of the six mesh degrees whose product is 8 (56; 50 for MoE, in `test_sweep_degrees_moe.py`)
+either trains 2 steps or is refused in one line before anything is traced; none ends in a traceback or an abort.
+A dense model runs with sequence parallelism and virtual stages wherever they apply, an MoE model without them and
+with at most 2 pipeline stages (the equivalence tests cover MoE in virtual stages; `test_sweep_precision.py` has the
+precisions).
 
 The expected outcome of each case is stated, not observed: a case that should train and is refused fails, and so
 does one that should be refused and trains.
@@ -38,9 +39,3 @@ def name(d: dict) -> str:
 @pytest.mark.parametrize("degrees", ASSIGNMENTS, ids=name)
 def test_dense_with_sequence_parallelism_and_virtual_stages_trains(degrees, tmp_path):
     assert train_or_refusal(BASE + DENSE + layout(degrees, sp=True, virtual=True), tmp_path) is None
-
-
-@pytest.mark.parametrize("degrees", [d for d in ASSIGNMENTS if d["stage"] <= 2], ids=name)
-def test_moe_without_sequence_parallelism_trains(degrees, tmp_path):
-    layers = [f"model.num_layers={max(2, degrees['stage'])}"]  # a layer or more per stage
-    assert train_or_refusal(BASE + MOE + layers + layout(degrees, sp=False, virtual=False), tmp_path) is None

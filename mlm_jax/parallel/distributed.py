@@ -87,14 +87,27 @@ def any_process(flag: bool) -> bool:
 
 
 def leave(code: int) -> None:
-    """Ends a failed process of a multi-process run at once, skipping jax's shutdown barrier.
+    """Ends a failed process of a multi-process run at once, skipping jax's shutdown barrier (after a refused
+    config, once every process has refused it, or 30 s).
 
     That barrier would wait, for minutes, for processes that are themselves stuck in a collective waiting on
     this one; gone, this process is noticed by the others within the heartbeat timeout.
     """
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == 2:  # a refused config, which every process refuses: let all say so before the coordinator goes
+        _meet("mlm_jax_config_refused", timeout_s=30)
     os._exit(code)
+
+
+def _meet(name: str, timeout_s: int) -> None:
+    """Waits (at most `timeout_s`) for every process at the coordination service's barrier `name`. The client is
+    jax-internal (`jax._src.distributed`, in jax 0.10 and 0.11); without it, or on a timeout, this returns."""
+    try:
+        from jax._src import distributed as jax_distributed
+        jax_distributed.global_state.client.wait_at_barrier(name, timeout_s * 1000)
+    except Exception:  # noqa: BLE001  (a peer that never refuses, or another jax: leave anyway)
+        pass
 
 
 def _check_flags(coordinator: str, num_processes: int, process_id: int) -> None:
