@@ -138,6 +138,9 @@ class ParallelConfig:
     context_strategy: str = choice("allgather", "ring")
     virtual_stages: int = positive(1)
     pipeline_schedule: str = choice("1f1b", "zb1", "gpipe")
+    # layers per pipeline chunk: even, balanced (fewer on the chunk with the head, from a FLOP model), or a list
+    # of stage x virtual_stages sizes in model order (chunk v*stage + p on stage p)
+    pipeline_layers: Any = "even"
     sequence_parallel: bool = False
     shard_optimizer: bool = False
     rules: Any = "default"

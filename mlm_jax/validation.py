@@ -184,9 +184,8 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
         _check_moe_layout(cfg, d)
     if V > 1 and P == 1:
         raise ConfigError(f"parallel.virtual_stages={V} needs pipeline stages (parallel.stage > 1)")
-    if m.num_layers % (P * V):
-        what = f"parallel.stage={P}" + (f" x parallel.virtual_stages={V}" if V > 1 else "")
-        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by {what}")
+    from mlm_jax.parallel.stages import chunk_sizes
+    chunk_sizes(cfg.parallel.pipeline_layers, m, t.seq_len, P, V)
     if m.num_heads % d["tensor"]:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={d['tensor']}")
     if m.kv_heads % d["tensor"]:

@@ -22,11 +22,12 @@ def single_device(tmp_path_factory):
 
 
 LAYOUTS = {
-    "stage2": ["parallel.stage=2", "parallel.data=4"],
+    # unequal chunks: a layer moves between the stages, and the shorter chunk skips its padded slot
+    "stage2-layers-5-3": ["parallel.stage=2", "parallel.data=4", "parallel.pipeline_layers=[5,3]"],
     "stage4": ["parallel.stage=4", "parallel.data=2"],
     "stage2-virtual2": ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=4"],
-    "stage2-virtual2-unrolled": ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=4",
-                                 "model.scan_layers=false"],
+    "stage2-virtual2-unrolled-layers-1-3-3-1": ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=4",
+                                                "model.scan_layers=false", "parallel.pipeline_layers=[1,3,3,1]"],
     "stage4-virtual2-m8-remat": ["parallel.stage=4", "parallel.virtual_stages=2", "parallel.data=2",
                                  "train.num_microbatches=8", "model.remat=full"],
     "stage2-tensor2-data2-sp": ["parallel.stage=2", "parallel.tensor=2", "parallel.data=2",
@@ -38,13 +39,22 @@ LAYOUTS = {
 
 # GPipe (autodiff of the forward ticks) is the simpler reference schedule: two layouts suffice for it.
 CASES = [(layout, schedule) for layout in LAYOUTS for schedule in ("1f1b", "zb1", "gpipe")
-         if schedule == "1f1b" or (schedule == "zb1" and layout != "stage2-virtual2-unrolled")
-         or layout in ("stage2-virtual2", "stage2-tensor2-data2-sp")]
+         if schedule == "1f1b" or (schedule == "zb1" and "unrolled" not in layout)
+         or layout in ("stage2-virtual2", "stage2-layers-5-3")]
 
 
 @pytest.mark.parametrize("layout, schedule", CASES, ids=[f"{layout}-{schedule}" for layout, schedule in CASES])
 def test_pipeline_matches_single_device(layout, schedule, single_device, tmp_path):
     got = fit(BASE, LAYOUTS[layout] + [f"parallel.pipeline_schedule={schedule}"], 8, tmp_path)
+    assert_matches(got, single_device)
+
+
+def test_layers_whole_on_every_stage_when_the_stages_do_not_divide_them(single_device, tmp_path):
+    """3 stages, 8 layers: the layer dim is not split over the stages; each gathers its chunk and the gradients
+    are summed over the stages."""
+    got = fit(BASE, ["parallel.stage=3", "parallel.data=2", "train.num_microbatches=4",
+                     "parallel.pipeline_layers=[3,3,2]"], 6, tmp_path)
+    assert got.trainer.chunks.sizes == (3, 3, 2) and not got.trainer.chunks.sharded
     assert_matches(got, single_device)
 
 
@@ -59,8 +69,19 @@ def test_pipeline_matches_single_device(layout, schedule, single_device, tmp_pat
     (["parallel.stage=2", "parallel.data=4", "train.num_microbatches=4", "train.micro_batch_size=2"],
      "!= train.global_batch_size=16"),
     (["parallel.virtual_stages=2"], "needs pipeline stages"),
+    (["parallel.stage=2", "parallel.data=4", "parallel.pipeline_layers=[5,2]"],
+     r"parallel.pipeline_layers=\[5, 2\]: expected 2 chunk sizes .* summing to model.num_layers=8"),
+    (["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=4", "parallel.pipeline_layers=[4,4]"],
+     "expected 4 chunk sizes"),
+    (["parallel.stage=2", "parallel.data=4", "parallel.pipeline_layers=[9,-1]"], "integers >= 0"),
+    (["parallel.stage=2", "parallel.data=4", "parallel.pipeline_layers=uneven"],
+     "parallel.pipeline_layers='uneven': expected one of even, balanced or a list of 2 chunk sizes"),
+    (["parallel.pipeline_layers=[8]"], "needs pipeline stages"),
+    (["parallel.stage=8", "parallel.data=1", "model.num_layers=6", "parallel.pipeline_layers=balanced"],
+     "model.num_layers=6 cannot fill the 8 chunks"),
 ], ids=["layers-by-stage", "layers-by-chunks", "m-by-stage-interleaved", "m-below-stage", "batch-by-m",
-        "micro-and-m-disagree", "virtual-without-stages"])
+        "micro-and-m-disagree", "virtual-without-stages", "chunk-sizes-sum", "chunk-sizes-count",
+        "chunk-sizes-negative", "split-unknown", "chunk-sizes-without-stages", "balanced-too-few-layers"])
 def test_bad_pipeline_layouts_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_degrees(load_config(None, BASE + overrides), 8)

@@ -14,6 +14,7 @@ XLA CPU.
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from mlm_jax import Trainer, load_config
 from test_pipeline import LAYOUTS
@@ -34,7 +35,11 @@ PIPELINED = {**{f"{name}-{SCHEDULES[i % 3]}": (layout + [f"parallel.pipeline_sch
 
 
 def layers(overrides) -> list[str]:
-    """As few layers as the layout's chunks need (4, or 8 for 4 stages x 2 virtual), one device's run the same."""
+    """As few layers as the layout's chunks need (4, 8 for 4 stages x 2 virtual, or the sum of the chunk sizes
+    it gives), one device's run the same."""
+    sizes = [o.split("=", 1)[1] for o in overrides if o.startswith("parallel.pipeline_layers=")]
+    if sizes:
+        return [f"model.num_layers={sum(yaml.safe_load(sizes[0]))}"]
     return ["model.num_layers=8" if "parallel.stage=4" in overrides and "parallel.virtual_stages=2" in overrides
             else "model.num_layers=4"]
 

@@ -103,9 +103,10 @@ class Transformer(nnx.Module):
         return self.logits(x_BSD), stats
 
     def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None,
-                   dense: bool = False) -> tuple[jax.Array, dict]:
+                   dense: bool = False, active: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The stacked blocks, or `stacked_state` (a slice of them: a pipeline chunk), in order; returns the
-        output and the per-layer MoE statistics.
+        output and the per-layer MoE statistics. `active` (a bool per layer, traced) skips the layers it marks
+        False: a pipeline chunk shorter than the room its stage has for one.
 
         Scanned, one layer body is compiled whatever the depth; unrolled, XLA schedules and fuses across layer
         boundaries (and overlaps FSDP gathers with the previous layer), which runs faster. Parameters stay
@@ -114,16 +115,25 @@ class Transformer(nnx.Module):
         graphdef, state = nnx.split(self.dense_blocks if dense else self.blocks)
         stacked_state = state if stacked_state is None else stacked_state
 
-        def layer(x_BSD, layer_state):
+        def block(x_BSD, layer_state):
             return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS)
 
         if self.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
+
+        def layer(x_BSD, xs):
+            layer_state, on = xs
+            if on is None:
+                return block(x_BSD, layer_state)
+            stats = jax.eval_shape(block, x_BSD, layer_state)[1]
+            skip = lambda x, _: (x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats))  # noqa: E731
+            return jax.lax.cond(on, block, skip, x_BSD, layer_state)
+
         if self.scan_layers:
-            return jax.lax.scan(layer, x_BSD, stacked_state)
+            return jax.lax.scan(layer, x_BSD, (stacked_state, active))
         stats = []
         for i in range(jax.tree.leaves(stacked_state)[0].shape[0]):
-            x_BSD, layer_stats = layer(x_BSD, jax.tree.map(lambda w: w[i], stacked_state))
+            x_BSD, layer_stats = layer(x_BSD, jax.tree.map(lambda w: w[i], (stacked_state, active)))
             stats.append(layer_stats)
         return x_BSD, jax.tree.map(lambda *s: jnp.stack(s), *stats)
 

@@ -1,8 +1,9 @@
 """Pipeline parallelism in one SPMD program: a `shard_map` over the `stage` axis around `lax.scan`s of ticks.
 
-Block parameters are stored canonically as (L, ...), their layer dim sharded over `stage`, and viewed here as
-(V, P, L/(V*P), ...): chunk c = v*P + p (layers c*Lc .. c*Lc+Lc-1) lives on stage p. Every other axis (data,
-fsdp, tensor, ...) stays automatic inside each stage. Each tick runs the schedule's forward slot, then its backward
+Block parameters are stored canonically as (L, ...), their layer dim sharded over `stage`; chunk c = v*P + p
+(its layers given by a `ChunkLayout`: an even split, or fewer layers on the chunks that also embed or run the
+head) lives on stage p, which gathers its chunks' layers at the start of the step (`stages.py`). Every other axis
+(data, fsdp, tensor, ...) stays automatic inside each stage. Each tick runs the schedule's forward slot, then its backward
 slot, then two `ppermute`s: activations to the next stage and gradients to the previous one, both wrapping
 around (stage P-1 feeds chunk v+1 on stage 0).
 
@@ -32,8 +33,7 @@ from mlm_jax.layers import axes as ax
 from mlm_jax.layers.transformer import default_positions
 from mlm_jax.parallel.schedule import Schedule
 from mlm_jax.parallel.split_vjp import split_pullback
-
-STAGE = "stage"
+from mlm_jax.parallel.stages import STAGE, ChunkLayout
 
 
 def _tables(rows) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -81,41 +81,47 @@ def _split(params, batch, M: int):
     return rest, data
 
 
-def _chunked(blocks, P: int, V: int):
-    L = jax.tree.leaves(blocks)[0].shape[0]
-    return jax.tree.map(lambda a: a.reshape(V, P, L // (V * P), *a.shape[1:]), blocks), L
+def _layout(params, schedule: Schedule, layout: ChunkLayout | None) -> ChunkLayout:
+    L = jax.tree.leaves(params["blocks"])[0].shape[0]
+    layout = layout or ChunkLayout.even(L, schedule.stages, schedule.virtual)
+    assert (layout.layers, layout.stages, layout.virtual) == (L, schedule.stages, schedule.virtual), layout
+    return layout
 
 
 def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule,
-                            loss_fn: Callable, compute_dtype=jnp.float32, moe=None) -> tuple[dict, dict]:
-    """(metrics, gradient with respect to `params`) of the batch, computed by `schedule`: the mean cross-entropy
-    as `metrics["loss"]` and, for an MoE model (`moe`, its config), the MoE losses in the objective and their
-    statistics in the metrics, as the plain step reports them."""
-    blocks, L = _chunked(params["blocks"], schedule.stages, schedule.virtual)
+                            loss_fn: Callable, compute_dtype=jnp.float32, moe=None,
+                            layout: ChunkLayout | None = None) -> tuple[dict, dict]:
+    """(metrics, gradient with respect to `params`) of the batch, computed by `schedule` over the chunks of
+    `layout` (even by default): the mean cross-entropy as `metrics["loss"]` and, for an MoE model (`moe`, its
+    config), the MoE losses in the objective and their statistics in the metrics, as the plain step reports them."""
+    layout = _layout(params, schedule, layout)
     rest, data = _split(params, batch, schedule.microbatches)
-    kw = dict(mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L, moe=moe)
+    kw = dict(mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout, moe=moe)
     if schedule.kind == "gpipe":
-        return _gpipe(graphdef, blocks, rest, data, **kw)
-    return _one_f_one_b(graphdef, blocks, rest, data, compute_dtype=compute_dtype, **kw)
+        return _gpipe(graphdef, params["blocks"], rest, data, **kw)
+    return _one_f_one_b(graphdef, params["blocks"], rest, data, compute_dtype=compute_dtype, **kw)
 
 
 def pipeline_loss(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule, loss_fn: Callable,
-                  moe=None) -> jax.Array:
+                  moe=None, layout: ChunkLayout | None = None) -> jax.Array:
     """Mean cross-entropy over the batch through the pipeline's forward ticks (evaluation: the weights stay on
     their stages, and only activations move)."""
-    blocks, L = _chunked(params["blocks"], schedule.stages, schedule.virtual)
+    layout = _layout(params, schedule, layout)
     rest, data = _split(params, batch, schedule.microbatches)
-    loss_of = _forward_loss(graphdef, blocks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=L, moe=moe)
-    return loss_of(blocks, _f32(rest), data)[1]
+    loss_of = _forward_loss(graphdef, params["blocks"], rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
+                            layout=layout, moe=moe)
+    return loss_of(params["blocks"], _f32(rest), data)[1]
 
 
 class _Stage:
-    """The model pieces one stage runs, as functions of explicit parameters."""
+    """The model pieces one stage (`p`) runs, as functions of explicit parameters; `chunks` are its (V, width, ...)
+    chunk layers."""
 
-    def __init__(self, graphdef, blocks_local, data, loss_fn, M, moe=None, layers=1):
-        self.graphdef, self.loss_fn, self.M, self.moe, self.layers = graphdef, loss_fn, M, moe, layers
+    def __init__(self, graphdef, chunks, data, loss_fn, M, moe, layout: ChunkLayout, p):
+        self.graphdef, self.loss_fn, self.M, self.moe, self.layers = graphdef, loss_fn, M, moe, layout.layers
         self.tokens, self.targets, self.positions = data["tokens"], data["targets"], data["positions"]
-        self.placeholder = _at(blocks_local, 0)  # merge needs some blocks; the chunk's own are passed explicitly
+        self.placeholder = _at(chunks, 0)  # merge needs some blocks; the chunk's own are passed explicitly
+        self.active = jnp.asarray(layout.active)[:, p] if layout.uneven else None  # (V, width)
 
     def model(self, rest):
         return nnx.merge(self.graphdef, {**rest, "blocks": self.placeholder})
@@ -123,10 +129,11 @@ class _Stage:
     def embed(self, rest, m):
         return self.model(rest).embed(self.tokens[m])
 
-    def chunk(self, rest, chunk_blocks, x_bSD, m):
-        """The chunk's output and its layers' MoE routing statistics ({} for dense blocks)."""
+    def chunk(self, rest, chunk_blocks, x_bSD, v, m):
+        """Chunk v's output and its layers' MoE routing statistics ({} for dense blocks)."""
         x_bSD = ax.constrain(x_bSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
-        return self.model(rest).run_blocks(x_bSD, self.positions[m], chunk_blocks)
+        active = None if self.active is None else self.active[v]
+        return self.model(rest).run_blocks(x_bSD, self.positions[m], chunk_blocks, active=active)
 
     def moe_term(self, stats) -> jax.Array:
         """The chunk's share of the MoE losses in the objective: means over all MoE layers and microbatches."""
@@ -140,8 +147,20 @@ class _Stage:
         return self.loss_fn(self.model(rest).logits(y_bSD), self.targets[m]) / self.M
 
 
-def _specs(blocks, rest):
-    return (jax.tree.map(lambda _: PartitionSpec(None, STAGE), blocks), jax.tree.map(lambda _: PartitionSpec(), rest))
+def _specs(blocks, rest, layout: ChunkLayout):
+    """The canonical blocks enter the stages as their blocks of L/P layers (whole where P does not divide L)."""
+    spec = PartitionSpec(STAGE) if layout.sharded else PartitionSpec()
+    return jax.tree.map(lambda _: spec, blocks), jax.tree.map(lambda _: PartitionSpec(), rest)
+
+
+def _gathered(layout: ChunkLayout, block, p):
+    """(this stage's fp32 (V, width, ...) chunk layers, the map of their gradients back to `block`'s)."""
+    chunks, pullback = jax.vjp(lambda b: layout.gather(b, p), _f32(block))
+
+    def to_block(g_chunks):
+        g = pullback(g_chunks)[0]
+        return g if layout.sharded else jax.lax.psum(g, STAGE)  # each stage holds the gradient of its own layers
+    return chunks, to_block
 
 
 def _cast_floating(tree, dtype):
@@ -259,7 +278,7 @@ def _stash_plan(schedule: Schedule, segments):
             _read(w_rows, cot_where), cot_slots)
 
 
-def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers, compute_dtype, moe):
+def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layout, compute_dtype, moe):
     """Circular 1F1B (and zb1): the forward slot runs a chunk under `jax.vjp` and stashes its residuals, the
     backward slot rebuilds that pullback; no chunk is computed twice. zb1's deferred ticks split the backward
     into B (input gradient; the cotangents W needs are stashed) and a W slot that runs where the table says.
@@ -281,10 +300,11 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layer
     res_write, res_b, res_w, res_slots, cot_write, cot_w, cot_slots = (
         jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in _stash_plan(schedule, segments))
 
-    def per_stage(blocks, rest, data):
-        blocks = _cast_floating(jax.tree.map(lambda a: a[:, 0], blocks), compute_dtype)  # (V, Lc, ...)
-        st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layers)
+    def per_stage(block, rest, data):
         p = jax.lax.axis_index(STAGE)
+        chunks, to_block = _gathered(layout, block, p)
+        blocks = _cast_floating(chunks, compute_dtype)  # (V, width, ...)
+        st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layout, p)
         residuals = Residuals()
         analysed = {}  # the split of the chunk's pullback into B and W (split schedules), made at the first trace
 
@@ -292,7 +312,7 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layer
             """(chunk output, stashable residuals, routing statistics)."""
             x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
             weights = _at(blocks, v)
-            chunk = jax.checkpoint(lambda w, x: st.chunk(rest, w, x, m), policy=stash_policy, prevent_cse=False)
+            chunk = jax.checkpoint(lambda w, x: st.chunk(rest, w, x, v, m), policy=stash_policy, prevent_cse=False)
 
             def run(w, x):
                 y, stats = chunk(w, x)
@@ -375,30 +395,28 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layer
         for start, stop, *slots_run in segments:
             carry, _ = jax.lax.scan(tick(*slots_run), carry, jnp.arange(start, stop))
         _, _, _, _, g_blocks, g_rest, loss, stats = carry
-        per_chunk = lambda a: a[:, None]  # noqa: E731  (V, 1, Lc, ...): this stage's part of (V, P, Lc, ...)
-        return (jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), jax.tree.map(per_chunk, g_blocks),
-                jax.tree.map(per_chunk, stats))
+        return (jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), to_block(g_blocks),
+                jax.tree.map(lambda a: a[:, None], stats))  # (V, 1, width, ...): this stage's part
 
-    blocks_spec, rest_spec = _specs(blocks, rest)
+    blocks_spec, rest_spec = _specs(blocks, rest, layout)
     loss, g_rest, g_blocks, stats = jax.shard_map(
         per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
         out_specs=(PartitionSpec(), rest_spec, blocks_spec, PartitionSpec(None, STAGE)), axis_names={STAGE},
         check_vma=False,
     )(blocks, rest, data)
-    g_blocks = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), g_blocks)
-    return _metrics(loss, stats, layers), {**g_rest, "blocks": g_blocks}
+    return _metrics(loss, stats, layout), {**g_rest, "blocks": g_blocks}
 
 
-def _metrics(loss, stats_VPL, layers: int) -> dict:
+def _metrics(loss, stats_VPW, layout: ChunkLayout) -> dict:
     """The step's metrics as the plain step reports them: MoE statistics per layer, in model order."""
-    if not stats_VPL:
+    if not stats_VPW:
         return {"loss": loss}
-    stats = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), stats_VPL)
+    stats = layout.canonical(stats_VPW)
     return {"loss": loss, "moe_aux_loss": jnp.mean(stats["aux_loss"]), "moe_z_loss": jnp.mean(stats["z_loss"]),
             "moe_dropped": stats["dropped"], "moe_load": stats["load"]}
 
 
-def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layers, moe) -> Callable:
+def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layout, moe) -> Callable:
     """`loss(blocks, rest, data) -> (objective, cross-entropy, per-chunk statistics)` through the schedule's forward
     ticks (every schedule runs forward f at tick f + p), means over the batch. The chunk runs on every stage at
     every tick, its results discarded where the table says idle, so collectives inside it run on all devices.
@@ -412,17 +430,17 @@ def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layers, mo
     to_next = [(i, (i + 1) % P) for i in range(P)]
     dtypes = jax.tree.map(lambda a: a.dtype, rest)
 
-    def per_stage(blocks, rest, data):
-        blocks = jax.tree.map(lambda a: a[:, 0], blocks)
-        rest = jax.tree.map(lambda a, d: a.astype(d), rest, dtypes)
-        st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layers)
+    def per_stage(block, rest, data):
         p = jax.lax.axis_index(STAGE)
+        blocks = layout.gather(block, p)
+        rest = jax.tree.map(lambda a, d: a.astype(d), rest, dtypes)
+        st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layout, p)
 
         def tick(carry, t):
             act_in, loss, term, stats_acc = carry
             v, m, ok = fwd_v[t, p], fwd_m[t, p], fwd_ok[t, p]
             x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
-            y, stats = st.chunk(rest, _at(blocks, v), x, m)
+            y, stats = st.chunk(rest, _at(blocks, v), x, v, m)
             loss = jax.lax.cond((v == V - 1) & (p == P - 1) & (ok == 1),
                                 lambda: loss + st.loss(rest, y, m).astype(jnp.float32), lambda: loss)
             term = term + ok * st.moe_term(stats)
@@ -430,7 +448,7 @@ def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layers, mo
             return (jax.lax.ppermute(y, STAGE, to_next), loss, term, stats_acc), None
 
         x0 = jax.eval_shape(lambda: st.embed(rest, 0))
-        stats0 = jax.eval_shape(lambda x: st.chunk(rest, _at(blocks, 0), x, 0)[1], x0)
+        stats0 = jax.eval_shape(lambda x: st.chunk(rest, _at(blocks, 0), x, 0, 0)[1], x0)
         zero = jnp.zeros((), jnp.float32)
         init = (jnp.zeros(x0.shape, x0.dtype), zero, zero,
                 _zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((V, *a.shape), jnp.float32), stats0)))
@@ -438,14 +456,14 @@ def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layers, mo
         loss, term = jax.lax.psum(loss, STAGE), jax.lax.psum(term, STAGE)
         return loss + term, loss, jax.tree.map(lambda a: a[:, None], stats)
 
-    blocks_spec, rest_spec = _specs(blocks, rest)
+    blocks_spec, rest_spec = _specs(blocks, rest, layout)
     return jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
                          out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(None, STAGE)),
                          axis_names={STAGE}, check_vma=False)
 
 
-def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers, moe):
-    loss_of = _forward_loss(graphdef, blocks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layers=layers,
+def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layout, moe):
+    loss_of = _forward_loss(graphdef, blocks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout,
                             moe=moe)
 
     def objective(blocks, rest):
@@ -454,5 +472,4 @@ def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layers, moe
 
     (_, (loss, stats)), (g_blocks, g_rest) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
         blocks, _f32(rest))
-    g_blocks = jax.tree.map(lambda a: a.reshape(layers, *a.shape[3:]), g_blocks)
-    return _metrics(loss, stats, layers), {**g_rest, "blocks": g_blocks}
+    return _metrics(loss, stats, layout), {**g_rest, "blocks": g_blocks}

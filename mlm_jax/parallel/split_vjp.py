@@ -7,8 +7,10 @@ rest of those the weight gradient needs are W, and B's values that W reads are `
 cotangent of each weight matmul). An elementwise value of residuals only (a norm's output, a rope table) that both
 read is recomputed in W rather than kept. Call bodies (jit, remat, custom_jvp/custom_vjp primal calls) are inlined,
 so an equation is split wherever it sits; a `lax.scan` (layers scanned) is split into a B scan, which also emits the
-per-iteration values W reads as stacked outputs, and a W scan that reads them. Other equations with bodies (cond,
-while) are split as a whole. B and W evaluate the equations on the current residual leaves, so the analysis made
+per-iteration values W reads as stacked outputs, and a W scan that reads them. A `lax.cond` (a pipeline chunk's
+skipped layers) is split into a B cond, which also returns every branch's kept values (zeros from the branches
+that do not compute them), and a W cond over the same index. Other equations with bodies (while) are split as a
+whole. B and W evaluate the equations on the current residual leaves, so the analysis made
 in one trace (under `jax.eval_shape`, say) serves every later trace of a pullback of the same structure. They are
 for evaluation, not for differentiating again (custom_jvp rules are inlined away).
 """
@@ -58,6 +60,19 @@ class _Eqn:
 
     def run(self, vals):
         return self.fn(*vals)
+
+
+@dataclass
+class _Cond:
+    """A `lax.cond` / `lax.switch` whose branches are graphs of the same inputs: ins are the index, then those."""
+    branches: list
+    ins: list[Ref]
+    outs: list[int]
+    cheap = False
+
+    def run(self, vals):
+        fns = [lambda *ops, b=b: _run(b, ops) for b in self.branches]
+        return jax.lax.switch(vals[0], fns, *vals[1:])
 
 
 @dataclass
@@ -116,12 +131,16 @@ class _Builder:
 
     def __init__(self):
         self._ids = itertools.count()
+        self.avals: dict[int, Any] = {}  # id -> its jaxpr value's aval, where it came from a jaxpr
 
-    def fresh(self) -> int:
-        return next(self._ids)
+    def fresh(self, aval=None) -> int:
+        i = next(self._ids)
+        if aval is not None:
+            self.avals[i] = aval
+        return i
 
     def graph(self, jaxpr: Jaxpr, consts: Sequence) -> _Graph:
-        inputs = [self.fresh() for _ in jaxpr.invars]
+        inputs = [self.fresh(v.aval) for v in jaxpr.invars]
         nodes: list = []
         outputs = self._inline(jaxpr, consts, inputs, nodes)
         return _Graph(inputs, outputs, nodes)
@@ -141,8 +160,12 @@ class _Builder:
                 env.update(zip(eqn.outvars, self._inline(sub, sub_consts, [ref(a) for a in eqn.invars], nodes),
                                strict=True))
                 continue
-            outs = [self.fresh() for _ in eqn.outvars]
+            outs = [self.fresh(v.aval) for v in eqn.outvars]
             env.update(zip(eqn.outvars, outs))
+            if name == "cond":
+                nodes.append(_Cond([self.graph(b.jaxpr, b.consts) for b in eqn.params["branches"]],
+                                   [ref(a) for a in eqn.invars], outs))
+                continue
             if name == "scan":
                 p, body = eqn.params, eqn.params["jaxpr"]
                 nodes.append(_Scan(p["length"], p["reverse"], p["unroll"], *_scan_groups(p, len(eqn.invars)),
@@ -169,6 +192,11 @@ class _Builder:
                 if node.effectful or b_live.intersection(node.outs):
                     b_role[i] = True
                     b_live.update(_ids(node.ins))
+            elif isinstance(node, _Cond):
+                want = {j for j, o in enumerate(node.outs) if o in b_live}
+                if want:
+                    b_role[i] = want
+                    b_live.update(self._cond_reads(node, want))
             else:
                 want = {j for j, o in enumerate(node.outs) if o in b_live}
                 if want:
@@ -195,6 +223,14 @@ class _Builder:
             b_pos = set() if recompute else b_role.get(i, set())
             if not want - b_pos:  # nothing for W to compute here: B's outputs W reads stay live, to be kept
                 continue
+            if isinstance(node, _Cond):
+                w_cond, b_cond = self._split_cond(node, b_pos, want - b_pos)
+                if b_pos:
+                    b_scans[i] = b_cond
+                w_nodes.append(w_cond)
+                w_live.difference_update(w_cond.outs)
+                w_live.update(_ids(w_cond.ins))
+                continue
             w_scan, b_body, kept_body, kept_outer = self._split_scan(node, b_pos, want - b_pos)
             if b_pos:
                 b_scans[i] = (b_body, kept_body, kept_outer)
@@ -206,6 +242,8 @@ class _Builder:
         for i, node in enumerate(nodes):
             if b_role.get(i) is True:
                 b_nodes.append(node)
+            elif isinstance(node, _Cond) and i in b_role:
+                b_nodes.append(b_scans.get(i) or self._restrict_cond(node, b_role[i]))
             elif i in b_role:
                 body, kept_body, kept_outer = b_scans.get(i) or (self._dce(node.body, b_role[i]), [], [])
                 b_nodes.append(_restrict(node, b_role[i], body, [], kept_body, [], kept_outer))
@@ -241,6 +279,48 @@ class _Builder:
                     if (nc <= j < nc + k and j - nc in positions) or (not nc <= j < nc + k
                                                                      and scan.body.inputs[j] in body_reads))
 
+    def _cond_reads(self, cond: _Cond, positions: set[int]) -> list[int]:
+        """The index and the operands that the branches read to give the outputs at `positions`."""
+        return _ids(self._restrict_cond(cond, positions).ins)
+
+    def _restrict_cond(self, cond: _Cond, positions: set[int]) -> _Cond:
+        pos = sorted(positions)
+        branches = [_Graph(b.inputs, [b.outputs[j] for j in pos], self._dce(b, positions)) for b in cond.branches]
+        return self._pruned(cond, branches, [cond.outs[j] for j in pos])
+
+    def _pruned(self, cond: _Cond, branches: list, outs: list[int]) -> _Cond:
+        """A cond of `branches` (over `cond`'s operands) that takes only the operands they read."""
+        reads = [self._reads(b, b.nodes, b.outputs) for b in branches]
+        used = [j for j in range(len(cond.ins) - 1) if any(b.inputs[j] in r for b, r in zip(branches, reads))]
+        return _Cond([_Graph([b.inputs[j] for j in used], b.outputs, b.nodes) for b in branches],
+                     [cond.ins[0]] + [cond.ins[1 + j] for j in used], outs)
+
+    def _split_cond(self, cond: _Cond, b_pos: set[int], w_want: set[int]) -> tuple[_Cond, _Cond]:
+        """(W cond, B cond): each branch split as a graph of its own; B returns the values each branch's W reads
+        (all branches' kept values, zeros from the other branches), W reads them and the operands it needs."""
+        parts = []
+        for b in cond.branches:
+            ins = set(b.inputs)
+            parts.append(self.split(b, [j in b_pos for j in range(len(b.outputs))],
+                                    [j in w_want for j in range(len(b.outputs))], ins, ins))
+        kept = [(j, k) for j, (_, _, ks) in enumerate(parts) for k in ks]
+        kept_outer = [self.fresh(self.avals.get(k)) for _, k in kept]
+        w_pos, b_out = sorted(w_want), sorted(b_pos)
+        w_branches, b_branches = [], []
+        for j, (b, (b_nodes, w_nodes, _)) in enumerate(zip(cond.branches, parts)):
+            mine = [k if owner == j else self.fresh() for owner, k in kept]
+            w_branches.append(_Graph(b.inputs + mine, [b.outputs[x] for x in w_pos], w_nodes))
+            zeros = [self._zeros(self.avals[k]) for owner, k in kept if owner != j]
+            it = iter(z.outs[0] for z in zeros)
+            b_branches.append(_Graph(b.inputs, [b.outputs[x] for x in b_out]
+                                     + [k if owner == j else next(it) for owner, k in kept], b_nodes + zeros))
+        w_cond = self._pruned(_Cond(w_branches, cond.ins + kept_outer, []), w_branches,
+                              [cond.outs[x] for x in w_pos])
+        return w_cond, self._pruned(cond, b_branches, [cond.outs[x] for x in b_out] + kept_outer)
+
+    def _zeros(self, aval) -> _Eqn:
+        return _Eqn(lambda: [jax.numpy.zeros(aval.shape, aval.dtype)], [], [self.fresh(aval)], True, False)
+
     def _split_scan(self, scan: _Scan, b_pos: set[int], w_want: set[int]):
         """(W scan, B body nodes, body ids B emits per iteration for W, their stacked outer ids)."""
         body, nc, k = scan.body, scan.num_consts, scan.num_carry
@@ -256,7 +336,7 @@ class _Builder:
             if not more:
                 break
             w_pos |= more
-        kept_outer = [self.fresh() for _ in kept]
+        kept_outer = [self.fresh(_stacked(self.avals.get(k), scan.length)) for k in kept]
         w_scan = _restrict(scan, w_pos, w_body, kept, [], kept_outer, [])
         return w_scan, b_body, kept, kept_outer
 
@@ -276,6 +356,10 @@ def _restrict(scan: _Scan, positions: set[int], nodes: list, extra_xs: list[int]
                  _Graph([body.inputs[j] for j in order] + list(extra_xs), outputs, nodes),
                  [scan.ins[j] for j in order] + list(extra_xs_outer),
                  [scan.outs[j] for j in carries + ys] + list(extra_ys_outer))
+
+
+def _stacked(aval, length: int):
+    return None if aval is None else jax.ShapeDtypeStruct((length, *aval.shape), aval.dtype)
 
 
 def _scan_groups(params, num_inputs: int) -> tuple[int, int]:

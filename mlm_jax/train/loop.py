@@ -24,6 +24,7 @@ from mlm_jax.parallel.distributed import any_process, shared_time
 from mlm_jax.parallel.mesh import build_mesh, dcn_degrees
 from mlm_jax.parallel.kernels import parallel_kernels
 from mlm_jax.parallel.pipeline import pipeline_loss, pipeline_value_and_grad
+from mlm_jax.parallel.stages import ChunkLayout, chunk_sizes
 from mlm_jax.parallel.schedule import SCHEDULES, Schedule
 from mlm_jax.parallel.rules import make_rules, resolve
 from mlm_jax.train import checkpoint as ckpt
@@ -152,9 +153,12 @@ class Trainer:
         if schedule is None and self.degrees["stage"] > 1:
             schedule = SCHEDULES[p.pipeline_schedule](self.degrees["stage"], p.virtual_stages, self.accum_steps)
         moe = cfg.model.moe if cfg.model.moe.enabled else None
-        self.schedule, pipeline, forward = schedule, None, None
+        self.schedule, self.chunks, pipeline, forward = schedule, None, None, None
         if schedule is not None:
-            kw = dict(mesh=self.mesh, schedule=schedule, loss_fn=cross_entropy, moe=moe)
+            split = p.pipeline_layers if self.degrees["stage"] > 1 else "even"
+            self.chunks = ChunkLayout(chunk_sizes(split, cfg.model, cfg.train.seq_len, schedule.stages,
+                                                  schedule.virtual), schedule.stages, schedule.virtual)
+            kw = dict(mesh=self.mesh, schedule=schedule, loss_fn=cross_entropy, moe=moe, layout=self.chunks)
             pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef,
                                          compute_dtype=jnp.dtype(cfg.model.dtype), **kw)
             forward = functools.partial(pipeline_loss, self.spec.graphdef, **kw)
@@ -305,7 +309,8 @@ class Trainer:
         if self.schedule is not None:
             s = self.schedule
             print(f"pipeline: {s.kind}, {s.stages} stages x {s.virtual} virtual, {s.microbatches} microbatches, "
-                  f"{s.ticks} ticks, bubble {100 * s.bubble():.1f}%")
+                  f"{s.ticks} ticks, bubble {100 * s.bubble():.1f}% | layers per chunk: "
+                  f"{', '.join(map(str, self.chunks.sizes))}")
         if self.resumed_from:
             print(f"resumed from {self.resumed_from}")
         if cfg.log.sharding_report:
