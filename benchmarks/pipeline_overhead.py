@@ -2,11 +2,12 @@
 accumulation of the same microbatches.
 
     python benchmarks/pipeline_overhead.py --config configs/llama-1b.yaml [--microbatches 8] [--virtual 2 4]
-        [--schedules 1f1b] [--steps 10] [--warmup 2] [--results-dir DIR] [section.key=value ...]
+        [--schedules 1f1b] [--layers 9,7] [--steps 10] [--warmup 2] [--results-dir DIR] [section.key=value ...]
 
 With V >= 2 virtual chunks on the one stage the forward slot is live (with V = 1, XLA deletes it and the
 executor is plain accumulation), so the ratio is what the schedule's own bookkeeping costs: stashing, the
-per-tick branches, the gradient accumulation. Each variant runs in a subprocess of its own, so peak memory
+per-tick branches, the gradient accumulation. `--layers` gives the V chunks unequal sizes (each chunk then has
+room for the longest and skips its empty slots), which measures what an unequal split costs beyond its layers. Each variant runs in a subprocess of its own, so peak memory
 (`peak_bytes_in_use`) is that variant's. Appends one record per pipelined variant with
 `"bench": "pipeline_overhead"`, `ratio_to_plain`, V, M, the schedule and both peak memories to
 `<results-dir>/results.jsonl` and a row to `<results-dir>/RESULTS.md` (default: benchmarks/).
@@ -36,6 +37,7 @@ def run_variant(args) -> dict:
     import jax
 
     from mlm_jax.parallel.schedule import SCHEDULES
+    from mlm_jax.parallel.stages import ChunkLayout
     from mlm_jax.train.loop import Trainer
 
     with tempfile.TemporaryDirectory(prefix="mlm_jax-bench-") as tmp:
@@ -50,7 +52,8 @@ def run_variant(args) -> dict:
         if args.variant != "plain":
             kind, virtual = args.variant.split(":")
             schedule = SCHEDULES[kind](1, int(virtual), trainer.accum_steps)
-            trainer._build_steps(schedule)
+            sizes = _sizes(args.layers, int(virtual), cfg.model.num_layers)
+            trainer._build_steps(schedule, ChunkLayout(sizes, 1, int(virtual)))
             stash = stash_bytes(trainer, schedule)
         trainer.fit(args.warmup)
         times = [r["step_time_s"] for r in trainer.fit(args.steps) if "step_time_s" in r]
@@ -61,7 +64,17 @@ def run_variant(args) -> dict:
             "tokens_per_s": t.global_batch_size * t.seq_len / median, "compile_time_s": trainer.compile_time_s,
             "peak_memory_gib": stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
             "micro_batch_rows": t.global_batch_size // trainer.accum_steps, "config": cfg.name,
-            "stash_gib": stash and stash / 2**30}
+            "stash_gib": stash and stash / 2**30, "chunk_layers": trainer.chunks and list(trainer.chunks.sizes)}
+
+
+def _sizes(layers: str | None, virtual: int, num_layers: int) -> tuple[int, ...]:
+    if layers is None:
+        return (num_layers // virtual,) * virtual
+    sizes = tuple(int(n) for n in layers.split(","))
+    if len(sizes) != virtual or sum(sizes) != num_layers or min(sizes) < 0:
+        raise ConfigError(f"--layers {layers}: expected {virtual} sizes (one per virtual chunk) summing to "
+                          f"model.num_layers={num_layers}")
+    return sizes
 
 
 def stash_bytes(trainer, schedule) -> int:
@@ -74,18 +87,19 @@ def stash_bytes(trainer, schedule) -> int:
     from mlm_jax.parallel.kernels import parallel_kernels
     from mlm_jax.parallel.pipeline import Residuals, _segments, _stash_plan, stash_policy
 
-    cfg, V = trainer.cfg, schedule.virtual
+    cfg, layout = trainer.cfg, trainer.chunks
     rows, S, dtype = cfg.train.global_batch_size // trainer.accum_steps, cfg.train.seq_len, jnp.dtype(cfg.model.dtype)
     shapes = trainer.spec.shapes
-    L = jax.tree.leaves(shapes["blocks"])[0].shape[0]
-    weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct((L // V, *a.shape[1:]), dtype), shapes["blocks"])
+    W = layout.width
+    weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct((W, *a.shape[1:]), dtype), shapes["blocks"])
     x = jax.ShapeDtypeStruct((rows, S, cfg.model.hidden_size), dtype)
+    optional = jnp.ones(W - min(layout.sizes), bool) if layout.uneven else None
 
     def residuals(params, weights, x):
         model = nnx.merge(trainer.spec.graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(S), (rows, S))
-        chunk = jax.checkpoint(lambda w, x: model.run_blocks(x, positions, w)[0], policy=stash_policy,
-                               prevent_cse=False)
+        chunk = jax.checkpoint(lambda w, x: model.run_blocks(x, positions, w, optional=optional)[0],
+                               policy=stash_policy, prevent_cse=False)
         return Residuals().split(jax.vjp(chunk, weights, x)[1], weights)
 
     kernels, _ = parallel_kernels(cfg, trainer.mesh, trainer.degrees, trainer.resolver)
@@ -98,6 +112,7 @@ def stash_bytes(trainer, schedule) -> int:
 def child(args, variant: str, out: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--json-out", out,
            "--microbatches", str(args.microbatches), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--layers", args.layers] if args.layers else []
     cmd += (["--config", args.config] if args.config else []) + args.overrides
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -112,6 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--virtual", type=int, nargs="+", default=[2, 4])
     p.add_argument("--schedules", nargs="+", default=["1f1b"])
+    p.add_argument("--layers", help="layers per virtual chunk, comma-separated (default: an even split)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--label", help="free text stored with the result")
@@ -130,7 +146,9 @@ def main(argv=None) -> int:
             json.dump(result, f)
         return 0
     try:
-        load_config(args.config, [*args.overrides, f"train.num_microbatches={args.microbatches}"])
+        cfg = load_config(args.config, [*args.overrides, f"train.num_microbatches={args.microbatches}"])
+        for V in args.virtual:
+            _sizes(args.layers, V, cfg.model.num_layers)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -145,10 +163,12 @@ def main(argv=None) -> int:
                 command = shlex.join(["python", "benchmarks/pipeline_overhead.py"] +
                                      (["--config", args.config] if args.config else []) +
                                      ["--microbatches", str(args.microbatches), "--virtual", str(V), "--schedules",
-                                      kind, "--steps", str(args.steps), "--warmup", str(args.warmup)] + args.overrides)
+                                      kind, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                                     + (["--layers", args.layers] if args.layers else []) + args.overrides)
                 rec = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "bench": "pipeline_overhead", "gpu": got["gpu"], "n_gpus": 1, "config": got["config"],
                        "schedule": kind, "virtual": V, "microbatches": args.microbatches,
+                       "chunk_layers": got["chunk_layers"],
                        "micro_batch_rows": got["micro_batch_rows"], "tokens_per_s": got["tokens_per_s"],
                        "plain_tokens_per_s": plain["tokens_per_s"], "ratio_to_plain": ratio,
                        "peak_memory_gib": got["peak_memory_gib"], "plain_peak_memory_gib": plain["peak_memory_gib"],
@@ -156,8 +176,8 @@ def main(argv=None) -> int:
                        "compile_time_s": got["compile_time_s"], "plain_compile_time_s": plain["compile_time_s"],
                        "jax_version": got["jax_version"], "command": command, "label": args.label,
                        "overrides": args.overrides}
-                print(f"{kind} V={V} M={args.microbatches}: {got['tokens_per_s']:,.0f} tokens/s = {ratio:.3f}x plain, "
-                      f"peak {got['peak_memory_gib']} GiB (plain {plain['peak_memory_gib']}, stash "
+                print(f"{kind} V={V} M={args.microbatches} layers {got['chunk_layers']}: "
+                      f"{got['tokens_per_s']:,.0f} tokens/s = {ratio:.3f}x plain, peak {got['peak_memory_gib']} GiB (plain {plain['peak_memory_gib']}, stash "
                       f"{got['stash_gib']:.2f} GiB)", flush=True)
                 write(args.results_dir, rec)
     return 0
@@ -169,7 +189,7 @@ def write(results_dir: str, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
     mem = rec["peak_memory_gib"], rec["plain_peak_memory_gib"]
     cells = [rec["date"][:10], f"{rec['gpu']} x1", f"{rec['config']} (pipeline overhead, {rec['schedule']} V="
-             f"{rec['virtual']} M={rec['microbatches']})", f"`{rec['command']}`", f"{rec['tokens_per_s']:,.0f}", "-",
+             f"{rec['virtual']} M={rec['microbatches']}, layers {rec['chunk_layers']})", f"`{rec['command']}`", f"{rec['tokens_per_s']:,.0f}", "-",
              "-", f"plain {rec['plain_tokens_per_s']:,.0f}", f"{rec['ratio_to_plain']:.3f} of plain",
              "-" if mem[0] is None else f"{mem[0]:.1f} GiB (plain {mem[1]:.1f}, stash {rec['stash_gib']:.1f})",
              f"{rec['compile_time_s']:.1f} s"]

@@ -50,23 +50,27 @@ def _mesh(stages):
     ((4, 4), 2, 1), ((5, 3), 2, 1), ((2, 2, 2, 2), 2, 2), ((1, 3, 3, 1), 2, 2), ((2, 3, 3, 2, 2, 3), 3, 2),
     ((3, 3, 2), 3, 1), ((0, 4, 4, 0), 4, 1), ((1, 2, 3, 2, 2, 1, 3, 2), 4, 2), ((2,) * 8, 8, 1)])
 def test_gather_puts_each_layer_in_its_chunk_slot_and_returns_its_gradient(sizes, stages, virtual):
+    """And its gradient, `scatter` (gathers and ppermutes), equals the transpose autodiff derives."""
     layout = ChunkLayout(sizes, stages, virtual)
     L, W = layout.layers, layout.width
     canonical = jnp.arange(L, dtype=jnp.float32)[:, None] * jnp.ones((1, 3))  # layer l holds l
     spec = PartitionSpec(STAGE) if layout.sharded else PartitionSpec()
 
     def per_stage(block, g_VW):
-        chunks, pullback = jax.vjp(lambda b: layout.gather(b, jax.lax.axis_index(STAGE)), block)
-        g = pullback(g_VW[:, 0])[0]
-        return chunks[:, None], g if layout.sharded else jax.lax.psum(g, STAGE)
+        chunks, pullback = jax.vjp(layout.gather, block)
+        g, g_transposed = pullback(g_VW[:, 0])[0], jax.linear_transpose(layout._fetch, block)(g_VW[:, 0])[0]
+        if not layout.sharded:
+            g, g_transposed = jax.lax.psum(g, STAGE), jax.lax.psum(g_transposed, STAGE)
+        return chunks[:, None], g, g_transposed
 
     # the cotangent of slot (v, p, i) is 1 + its layer where the slot is used, 0 on padding
     cot = np.where(layout.active, layout.slots + 1.0, 0.0)[..., None] * np.ones(3)
-    chunks, g = jax.jit(jax.shard_map(per_stage, mesh=_mesh(stages), in_specs=(spec, PartitionSpec(None, STAGE)),
-                                      out_specs=(PartitionSpec(None, STAGE), spec), check_vma=False))(
-        canonical, jnp.asarray(cot, jnp.float32))
+    chunks, g, g_transposed = jax.jit(jax.shard_map(
+        per_stage, mesh=_mesh(stages), in_specs=(spec, PartitionSpec(None, STAGE)),
+        out_specs=(PartitionSpec(None, STAGE), spec, spec), check_vma=False))(canonical, jnp.asarray(cot, jnp.float32))
     assert chunks.shape == (virtual, stages, W, 3)
     got = np.asarray(chunks[..., 0])
     np.testing.assert_array_equal(got[layout.active], layout.slots[layout.active])
     np.testing.assert_array_equal(np.asarray(g), 1.0 + np.asarray(canonical))  # each layer's own cotangent, once
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g_transposed))  # `scatter` is the gather's transpose
     np.testing.assert_array_equal(np.asarray(layout.canonical(chunks))[:, 0], np.arange(L))

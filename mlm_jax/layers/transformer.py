@@ -103,10 +103,11 @@ class Transformer(nnx.Module):
         return self.logits(x_BSD), stats
 
     def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None,
-                   dense: bool = False, active: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                   dense: bool = False, optional: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The stacked blocks, or `stacked_state` (a slice of them: a pipeline chunk), in order; returns the
-        output and the per-layer MoE statistics. `active` (a bool per layer, traced) skips the layers it marks
-        False: a pipeline chunk shorter than the room its stage has for one.
+        output and the per-layer MoE statistics. `optional` (traced bools for the last layers) skips those it
+        marks False: a pipeline chunk shorter than the room its stage has for one. Unrolled, only those layers
+        sit in a `lax.cond`; scanned, every layer does (one body).
 
         Scanned, one layer body is compiled whatever the depth; unrolled, XLA schedules and fuses across layer
         boundaries (and overlaps FSDP gathers with the previous layer), which runs faster. Parameters stay
@@ -129,11 +130,15 @@ class Transformer(nnx.Module):
             skip = lambda x, _: (x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats))  # noqa: E731
             return jax.lax.cond(on, block, skip, x_BSD, layer_state)
 
+        n = jax.tree.leaves(stacked_state)[0].shape[0]
+        fixed = n - (0 if optional is None else optional.shape[0])  # the layers that always run
         if self.scan_layers:
+            active = None if optional is None else jnp.concatenate([jnp.ones(fixed, bool), optional])
             return jax.lax.scan(layer, x_BSD, (stacked_state, active))
         stats = []
-        for i in range(jax.tree.leaves(stacked_state)[0].shape[0]):
-            x_BSD, layer_stats = layer(x_BSD, jax.tree.map(lambda w: w[i], (stacked_state, active)))
+        for i in range(n):
+            on = None if i < fixed else optional[i - fixed]
+            x_BSD, layer_stats = layer(x_BSD, (jax.tree.map(lambda w: w[i], stacked_state), on))
             stats.append(layer_stats)
         return x_BSD, jax.tree.map(lambda *s: jnp.stack(s), *stats)
 

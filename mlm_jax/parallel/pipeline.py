@@ -121,7 +121,8 @@ class _Stage:
         self.graphdef, self.loss_fn, self.M, self.moe, self.layers = graphdef, loss_fn, M, moe, layout.layers
         self.tokens, self.targets, self.positions = data["tokens"], data["targets"], data["positions"]
         self.placeholder = _at(chunks, 0)  # merge needs some blocks; the chunk's own are passed explicitly
-        self.active = jnp.asarray(layout.active)[:, p] if layout.uneven else None  # (V, width)
+        # (V, slots): whether each of the slots that some chunk lacks holds a layer of this stage's chunk v
+        self.optional = jnp.asarray(layout.active[:, :, min(layout.sizes):])[:, p] if layout.uneven else None
 
     def model(self, rest):
         return nnx.merge(self.graphdef, {**rest, "blocks": self.placeholder})
@@ -132,8 +133,8 @@ class _Stage:
     def chunk(self, rest, chunk_blocks, x_bSD, v, m):
         """Chunk v's output and its layers' MoE routing statistics ({} for dense blocks)."""
         x_bSD = ax.constrain(x_bSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
-        active = None if self.active is None else self.active[v]
-        return self.model(rest).run_blocks(x_bSD, self.positions[m], chunk_blocks, active=active)
+        optional = None if self.optional is None else self.optional[v]
+        return self.model(rest).run_blocks(x_bSD, self.positions[m], chunk_blocks, optional=optional)
 
     def moe_term(self, stats) -> jax.Array:
         """The chunk's share of the MoE losses in the objective: means over all MoE layers and microbatches."""
@@ -153,14 +154,13 @@ def _specs(blocks, rest, layout: ChunkLayout):
     return jax.tree.map(lambda _: spec, blocks), jax.tree.map(lambda _: PartitionSpec(), rest)
 
 
-def _gathered(layout: ChunkLayout, block, p):
-    """(this stage's fp32 (V, width, ...) chunk layers, the map of their gradients back to `block`'s)."""
-    chunks, pullback = jax.vjp(lambda b: layout.gather(b, p), _f32(block))
-
+def _gathered(layout: ChunkLayout, block, dtype):
+    """(this stage's (V, width, ...) chunk layers in `dtype`, the map of their fp32 gradients back to `block`'s):
+    the weights are cast before they move, and the gradients move in fp32."""
     def to_block(g_chunks):
-        g = pullback(g_chunks)[0]
+        g = layout.scatter(g_chunks)
         return g if layout.sharded else jax.lax.psum(g, STAGE)  # each stage holds the gradient of its own layers
-    return chunks, to_block
+    return layout.gather(_cast_floating(block, dtype)), to_block
 
 
 def _cast_floating(tree, dtype):
@@ -302,8 +302,7 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layou
 
     def per_stage(block, rest, data):
         p = jax.lax.axis_index(STAGE)
-        chunks, to_block = _gathered(layout, block, p)
-        blocks = _cast_floating(chunks, compute_dtype)  # (V, width, ...)
+        blocks, to_block = _gathered(layout, block, compute_dtype)  # (V, width, ...)
         st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layout, p)
         residuals = Residuals()
         analysed = {}  # the split of the chunk's pullback into B and W (split schedules), made at the first trace
@@ -432,7 +431,7 @@ def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layout, mo
 
     def per_stage(block, rest, data):
         p = jax.lax.axis_index(STAGE)
-        blocks = layout.gather(block, p)
+        blocks = layout.gather(block)
         rest = jax.tree.map(lambda a, d: a.astype(d), rest, dtypes)
         st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layout, p)
 

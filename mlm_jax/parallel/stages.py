@@ -148,12 +148,19 @@ class ChunkLayout:
         out[flat[flat >= 0]] = np.nonzero(flat >= 0)[0]
         return out
 
+    @property
+    def _block(self) -> int:
+        """Canonical rows each stage holds."""
+        return self.layers // self.stages if self.sharded else self.layers
+
     @cached_property
     def _moves(self):
-        """(sends, take): for each stage distance d, the local rows every stage sends d stages on; and for every
-        stage the rows of (its block, then what it received) that make its (V*width) chunk slots."""
-        V, P, W = self.virtual, self.stages, self.width
-        block = self.layers // P if self.sharded else self.layers
+        """(sends, take, back): for each stage distance d, the local rows every stage sends d stages on (padded to
+        the most any stage sends); for every stage, the rows of its pool (its block, then what it received, by
+        distance) that fill its V*width chunk slots; and for the gradients' way back, every stage's rows of
+        (its pool's block part, then what came back, by distance, then a zero row) that make its block's gradient.
+        Each layer is in one chunk, so each pool row feeds at most one used slot and the way back needs no sums."""
+        V, P, W, block = self.virtual, self.stages, self.width, self._block
         owner = (lambda l: l // block) if self.sharded else (lambda l: None)
         need = {}  # (distance, sender) -> local rows, in first-needed order
         for q in range(P):
@@ -163,46 +170,82 @@ class ChunkLayout:
                     rows = need.setdefault(((q - s) % P, s), [])
                     if l % block not in rows:
                         rows.append(l % block)
-        sends = []
-        for d in sorted({d for d, _ in need}):
-            count = max(len(need.get((d, s), [])) for s in range(P))
-            sends.append((d, np.array([need.get((d, s), []) + [0] * (count - len(need.get((d, s), [])))
-                                       for s in range(P)], np.int32)))
+        distances = sorted({d for d, _ in need})
+        counts = {d: max(len(need.get((d, s), [])) for s in range(P)) for d in distances}
+        base = {d: block + sum(counts[e] for e in distances if e < d) for d in distances}
+        sends = [(d, np.array([need.get((d, s), []) + [0] * (counts[d] - len(need.get((d, s), [])))
+                               for s in range(P)], np.int32)) for d in distances]
         take = np.zeros((P, V * W), np.int32)
+        back = np.full((P, block), base[distances[-1]] + counts[distances[-1]] if distances else block, np.int32)
         for q in range(P):
-            base = {d: block + sum(t.shape[1] for e, t in sends if e < d) for d, _ in sends}
             for j, l in enumerate(self.slots[:, q].reshape(-1)):
                 s = owner(l) if l >= 0 else None
-                if l < 0 or s is None or s == q:
-                    take[q, j] = l % block if l >= 0 else 0
-                else:
-                    d = (q - s) % P
-                    take[q, j] = base[d] + need[(d, s)].index(l % block)
-        return sends, take
+                if l >= 0 and s not in (None, q):
+                    take[q, j] = base[(q - s) % P] + need[((q - s) % P, s)].index(l % block)
+                elif l >= 0:
+                    take[q, j] = back[q, l % block] = l % block
+        for (d, s), rows in need.items():
+            for k, r in enumerate(rows):
+                back[s, r] = base[d] + k
+        return sends, take, back
 
     @property
     def moves_nothing(self) -> bool:
         """Whether each stage's block already is its chunks' layers, in order (V = 1, an even split)."""
-        sends, take = self._moves
-        block = self.layers // self.stages if self.sharded else self.layers
-        return not sends and take.shape[1] == block and bool((take == np.arange(block)).all())
+        sends, take, _ = self._moves
+        return not sends and take.shape[1] == self._block and bool((take == np.arange(self._block)).all())
 
-    def gather(self, block, p):
+    def gather(self, block):
         """Inside the stages' `shard_map`: this stage's (V, width, ...) chunk layers from its canonical `block`
-        ((L/P, ...) or (L, ...) leaves); slots past a chunk's end hold some layer of the block, unused."""
-        V, W, P = self.virtual, self.width, self.stages
+        ((L/P, ...) or (L, ...) leaves); slots past a chunk's end hold some layer of the block, unused. Its
+        gradient is `scatter`."""
+        V, W = self.virtual, self.width
         if self.moves_nothing:
             return jax.tree.map(lambda a: a.reshape(V, W, *a.shape[1:]), block)
-        sends, take = self._moves
+
+        @jax.custom_vjp
+        def move(block):
+            return self._fetch(block)
+        move.defvjp(lambda b: (self._fetch(b), None), lambda _, g: (self.scatter(g),))
+        return move(block)
+
+    def _fetch(self, block):
+        V, W, P = self.virtual, self.width, self.stages
+        sends, take, _ = self._moves
+        p = jax.lax.axis_index(STAGE)
 
         def one(a):
             pool = [a]
             for d, rows in sends:
                 out = jnp.take(a, jnp.asarray(rows)[p], axis=0)
                 pool.append(jax.lax.ppermute(out, STAGE, [(s, (s + d) % P) for s in range(P)]))
-            slots = jnp.take(jnp.concatenate(pool), jnp.asarray(take)[p], axis=0)
-            return slots.reshape(V, W, *a.shape[1:])
+            return jnp.take(jnp.concatenate(pool), jnp.asarray(take)[p], axis=0).reshape(V, W, *a.shape[1:])
         return jax.tree.map(one, block)
+
+    def scatter(self, g_chunks):
+        """The transpose of `gather`: (V, width, ...) chunk gradients back to the block's rows, as gathers and the
+        reverse `ppermute`s (a transposed gather would be a scatter-add, atomics on GPUs). Where the layer dim is
+        whole on every stage, each stage returns its own chunks' part, to be summed over the stages."""
+        V, W, P, block = self.virtual, self.width, self.stages, self._block
+        if self.moves_nothing:
+            return jax.tree.map(lambda g: g.reshape(block, *g.shape[2:]), g_chunks)
+        sends, take, back = self._moves
+        p = jax.lax.axis_index(STAGE)
+        used = self.active.transpose(1, 0, 2).reshape(P, V * W)
+        slot_of = np.full((P, block + sum(r.shape[1] for _, r in sends)), V * W, np.int32)  # pool row -> slot
+        for q in range(P):
+            slot_of[q, take[q][used[q]]] = np.nonzero(used[q])[0]
+
+        def one(g):
+            zero = jnp.zeros((1, *g.shape[2:]), g.dtype)
+            pool = jnp.take(jnp.concatenate([g.reshape(V * W, *g.shape[2:]), zero]), jnp.asarray(slot_of)[p], axis=0)
+            parts, at = [pool[:block]], block
+            for d, rows in sends:
+                n = rows.shape[1]
+                parts.append(jax.lax.ppermute(pool[at:at + n], STAGE, [((s + d) % P, s) for s in range(P)]))
+                at += n
+            return jnp.take(jnp.concatenate(parts + [zero]), jnp.asarray(back)[p], axis=0)
+        return jax.tree.map(one, g_chunks)
 
     def canonical(self, tree_VPW):
         """(V, P, width, ...) leaves (per-slot values of every stage) -> (L, ...), in model order."""

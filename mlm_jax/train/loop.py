@@ -144,9 +144,10 @@ class Trainer:
         self.resumed_from = f"{directory}/{meta['step']}" + (f" ({', '.join(noted)})" if noted else "")
         return state
 
-    def _build_steps(self, schedule: Schedule | None = None) -> None:
-        """Jits the train, gradient and eval steps; `schedule` (the config's pipeline by default) may also run the
-        pipeline executor on a stage axis of size 1, which `benchmarks/pipeline_overhead.py` measures."""
+    def _build_steps(self, schedule: Schedule | None = None, chunks: ChunkLayout | None = None) -> None:
+        """Jits the train, gradient and eval steps; `schedule` and `chunks` (the config's pipeline and layer split
+        by default) may also run the pipeline executor on a stage axis of size 1, which
+        `benchmarks/pipeline_overhead.py` measures."""
         cfg = self.cfg
         zero1 = cfg.parallel.shard_optimizer
         p = cfg.parallel
@@ -156,8 +157,8 @@ class Trainer:
         self.schedule, self.chunks, pipeline, forward = schedule, None, None, None
         if schedule is not None:
             split = p.pipeline_layers if self.degrees["stage"] > 1 else "even"
-            self.chunks = ChunkLayout(chunk_sizes(split, cfg.model, cfg.train.seq_len, schedule.stages,
-                                                  schedule.virtual), schedule.stages, schedule.virtual)
+            self.chunks = chunks or ChunkLayout(chunk_sizes(split, cfg.model, cfg.train.seq_len, schedule.stages,
+                                                            schedule.virtual), schedule.stages, schedule.virtual)
             kw = dict(mesh=self.mesh, schedule=schedule, loss_fn=cross_entropy, moe=moe, layout=self.chunks)
             pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef,
                                          compute_dtype=jnp.dtype(cfg.model.dtype), **kw)
