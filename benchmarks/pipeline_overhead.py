@@ -7,8 +7,8 @@ accumulation of the same microbatches.
 With V >= 2 virtual chunks on the one stage the forward slot is live (with V = 1, XLA deletes it and the
 executor is plain accumulation), so the ratio is what the schedule's own bookkeeping costs: stashing, the
 per-tick branches, the gradient accumulation. `--layers` gives the V chunks unequal sizes (each chunk then has
-room for the longest and skips its empty slots), which measures what an unequal split costs beyond its layers. Each variant runs in a subprocess of its own, so peak memory
-(`peak_bytes_in_use`) is that variant's. Appends one record per pipelined variant with
+room for the longest and skips its empty slots), which measures what an unequal split costs beyond its layers.
+Each variant runs in a subprocess of its own, so peak memory (`peak_bytes_in_use`) is that variant's. Appends one record per pipelined variant with
 `"bench": "pipeline_overhead"`, `ratio_to_plain`, V, M, the schedule and both peak memories to
 `<results-dir>/results.jsonl` and a row to `<results-dir>/RESULTS.md` (default: benchmarks/).
 """
@@ -189,7 +189,8 @@ def write(results_dir: str, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
     mem = rec["peak_memory_gib"], rec["plain_peak_memory_gib"]
     cells = [rec["date"][:10], f"{rec['gpu']} x1", f"{rec['config']} (pipeline overhead, {rec['schedule']} V="
-             f"{rec['virtual']} M={rec['microbatches']}, layers {rec['chunk_layers']})", f"`{rec['command']}`", f"{rec['tokens_per_s']:,.0f}", "-",
+             f"{rec['virtual']} M={rec['microbatches']}, layers {rec['chunk_layers']})", f"`{rec['command']}`",
+             f"{rec['tokens_per_s']:,.0f}", "-",
              "-", f"plain {rec['plain_tokens_per_s']:,.0f}", f"{rec['ratio_to_plain']:.3f} of plain",
              "-" if mem[0] is None else f"{mem[0]:.1f} GiB (plain {mem[1]:.1f}, stash {rec['stash_gib']:.1f})",
              f"{rec['compile_time_s']:.1f} s"]

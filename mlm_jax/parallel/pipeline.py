@@ -3,8 +3,8 @@
 Block parameters are stored canonically as (L, ...), their layer dim sharded over `stage`; chunk c = v*P + p
 (its layers given by a `ChunkLayout`: an even split, or fewer layers on the chunks that also embed or run the
 head) lives on stage p, which gathers its chunks' layers at the start of the step (`stages.py`). Every other axis
-(data, fsdp, tensor, ...) stays automatic inside each stage. Each tick runs the schedule's forward slot, then its backward
-slot, then two `ppermute`s: activations to the next stage and gradients to the previous one, both wrapping
+(data, fsdp, tensor, ...) stays automatic inside each stage. Each tick runs the schedule's forward slot, then its
+backward slot, then two `ppermute`s: activations to the next stage and gradients to the previous one, both wrapping
 around (stage P-1 feeds chunk v+1 on stage 0).
 
 1F1B and zb1 schedule backward passes themselves: the forward slot runs the chunk under `jax.vjp` and stashes the
