@@ -1,12 +1,12 @@
-"""The MoE half of `test_sweep_degrees.py` (a file of its own, so that the two halves run on different workers):
+"""The MoE half of `test_sweep_degrees.py`:
 every assignment of the six degrees with at most 2 pipeline stages trains an MoE model 2 steps."""
 import pytest
 
 from layouts import train_or_refusal
-from test_sweep_degrees import ASSIGNMENTS, BASE, MOE, layout, name
+from test_sweep_degrees import ASSIGNMENTS, BASE, MOE, layers, layout, name
 
 
 @pytest.mark.parametrize("degrees", [d for d in ASSIGNMENTS if d["stage"] <= 2], ids=name)
 def test_moe_without_sequence_parallelism_trains(degrees, tmp_path):
-    layers = [f"model.num_layers={max(2, degrees['stage'])}"]  # a layer or more per stage
-    assert train_or_refusal(BASE + MOE + layers + layout(degrees, sp=False, virtual=False), tmp_path) is None
+    assert train_or_refusal(BASE + MOE + layers(degrees, virtual=False) + layout(degrees, sp=False, virtual=False),
+                            tmp_path) is None
