@@ -18,9 +18,6 @@ import pytest
 from mlm_jax import Trainer, load_config
 from test_pipeline import LAYOUTS
 
-# One worker runs the file: its one-device reference curves (20 steps each) are computed once, not on both.
-pytestmark = pytest.mark.xdist_group("pipeline_precision")
-
 BASE = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
         "model.ffn_size=128", "model.vocab_size=264", "train.steps=20", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=16", "train.seq_len=32", "log.progress=never", "optim.warmup_steps=0",
