@@ -49,9 +49,10 @@ def non_negative(default):
 class MoEConfig:
     """Mixture-of-experts FFNs (`num_experts: 0` = a dense model).
 
-    Layer i is an MoE layer when i >= `first_dense_layers` and (i - first_dense_layers) % `every_n_layers` == 0.
-    `router`: softmax (Mixtral: softmax over all experts, top-k, renormalised) or sigmoid (DeepSeek-V3: sigmoid
-    scores, top-k chosen on score + a per-expert bias, weights renormalised). `router_bias_update` > 0 moves that
+    Layer i is an MoE layer when i >= `first_dense_layers`, (i - first_dense_layers) % `every_n_layers` == 0 and
+    i is not listed in `dense_layers`.
+    `router`: softmax (Mixtral, Qwen3-MoE: softmax over all experts, top-k) or sigmoid (DeepSeek-V3: sigmoid
+    scores, top-k chosen on score + a per-expert bias); `normalize_weights` renormalises the chosen k to sum 1. `router_bias_update` > 0 moves that
     bias by this step size towards balanced load after every step (aux-loss-free balancing, outside the gradient).
     `capacity_factor`: null = dropless; else capacity is counted per group of `capacity_group_rows` batch rows of
     each forward pass (GShard's groups; 1 = per sequence, as MaxText): each expert takes at most
@@ -71,6 +72,8 @@ class MoEConfig:
     shared_experts: int = non_negative(0)
     every_n_layers: int = positive(1)
     first_dense_layers: int = non_negative(0)
+    dense_layers: list | None = None  # further layers that stay dense (Qwen3-MoE's mlp_only_layers)
+    normalize_weights: bool = True
     # grouped matmul of dropless experts: ragged_dot, Hopper's Mosaic-GPU kernels, or mgpu where they run
     impl: str = choice("auto", "ragged", "mgpu")
 
@@ -79,7 +82,28 @@ class MoEConfig:
         return self.num_experts > 0
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.enabled and i >= self.first_dense_layers and (i - self.first_dense_layers) % self.every_n_layers == 0
+        return (self.enabled and i >= self.first_dense_layers and (i - self.first_dense_layers) % self.every_n_layers == 0
+                and i not in (self.dense_layers or ()))
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling, Hugging Face's `rope_scaling` fields: `rope_type` linear (positions divided by
+    `factor`), llama3 (`factor`, `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`) or yarn
+    (`factor`, `original_max_position_embeddings`, `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`,
+    `attention_factor`, `truncate`)."""
+
+    rope_type: str = choice("default", "linear", "llama3", "yarn")
+    factor: float = positive(1.0)
+    low_freq_factor: float | None = positive(None)
+    high_freq_factor: float | None = positive(None)
+    original_max_position_embeddings: int | None = positive(None)
+    beta_fast: float = positive(32.0)
+    beta_slow: float = positive(1.0)
+    mscale: float | None = non_negative(None)
+    mscale_all_dim: float | None = non_negative(None)
+    attention_factor: float | None = positive(None)
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,6 +121,8 @@ class ModelConfig:
     norm_eps: float = positive(1e-6)
     activation: str = choice("swiglu", "gelu")
     rope_theta: float = positive(10000.0)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    partial_rotary_factor: float = number(1.0, gt=0, le=1)  # the fraction of each head's dims that rotate
     tie_embeddings: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False
@@ -122,6 +148,10 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.dim_per_head * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -329,6 +359,15 @@ def _set(node, name: str, key: str, value: Any):
     if rest:
         raise _unknown(key)
     return dataclasses.replace(node, **{head: _coerce(key, value, hints[head])})
+
+
+def model_from_dict(values: dict) -> ModelConfig:
+    """A model section from its dict form (a checkpoint's record); keys it lacks (older checkpoints) take their
+    defaults."""
+    m = ModelConfig()
+    for k, v in values.items():
+        m = _set(m, k, f"model.{k}", v)
+    return m
 
 
 def _load_yaml(path: str) -> dict:

@@ -21,7 +21,7 @@ import math
 import typing
 from dataclasses import dataclass
 
-from mlm_jax.config import Config, ConfigError, MoEConfig
+from mlm_jax.config import Config, ConfigError, MoEConfig, RopeScalingConfig
 
 DEGREE_KEYS = ("data", "stage", "fsdp", "context", "expert", "tensor")  # parallel.<axis>, the mesh axes' degrees
 
@@ -67,8 +67,10 @@ def check_config(cfg: Config) -> None:
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; set model.head_dim")
     if m.num_heads % m.kv_heads:
         raise ConfigError(f"model.num_kv_heads={m.kv_heads} must divide model.num_heads={m.num_heads}")
-    if m.dim_per_head % 2:
-        raise ConfigError(f"model.head_dim={m.dim_per_head}: rotary embeddings need an even head dimension")
+    if m.rotary_dim % 2 or m.rotary_dim == 0:
+        raise ConfigError(f"model.head_dim={m.dim_per_head}: rotary embeddings need an even head dimension to rotate "
+                          f"(model.partial_rotary_factor={m.partial_rotary_factor} rotates {m.rotary_dim} dims)")
+    _check_rope_scaling(m.rope_scaling)
     _check_moe(m.moe, m.num_layers)
     p = cfg.parallel
     degrees = {k: getattr(p, k) for k in DEGREE_KEYS}
@@ -97,13 +99,31 @@ def check_config(cfg: Config) -> None:
     make_rules(p.rules, p.sequence_parallel)
 
 
+ROPE_FIELDS = {"yarn": ("original_max_position_embeddings",),
+               "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _check_rope_scaling(r: RopeScalingConfig) -> None:
+    missing = [k for k in ROPE_FIELDS.get(r.rope_type, ()) if getattr(r, k) is None]
+    if missing:
+        raise ConfigError(f"model.rope_scaling.rope_type={r.rope_type} needs model.rope_scaling.{missing[0]}")
+    if r.rope_type == "llama3" and r.low_freq_factor >= r.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling.low_freq_factor={r.low_freq_factor} must be below "
+                          f"model.rope_scaling.high_freq_factor={r.high_freq_factor}")
+
+
 def _check_moe(moe: MoEConfig, num_layers: int) -> None:
     if not moe.enabled:
         return
     if moe.top_k > moe.num_experts:
         raise ConfigError(f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}")
+    dense = moe.dense_layers or []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense):
+        raise ConfigError(f"model.moe.dense_layers={moe.dense_layers}: expected layer indices in [0, "
+                          f"{num_layers}) (model.num_layers={num_layers})")
     if not any(moe.is_moe_layer(i) for i in range(num_layers)):
-        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer among "
+        listed = f" and model.moe.dense_layers={moe.dense_layers}" if moe.dense_layers else ""
+        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers}{listed} leave no MoE layer among "
                           f"model.num_layers={num_layers}")
     if moe.router_bias_update and moe.router != "sigmoid":
         raise ConfigError(f"model.moe.router_bias_update={moe.router_bias_update} needs model.moe.router=sigmoid "

@@ -28,7 +28,12 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
 }
+# Llama 3.2's RoPE, its original context shorter than the test sequence (TOKENS_BS) and the head dim's wavelengths
+# spanning the low, smooth and high frequency bands.
+LLAMA3 = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
 SAME_CONFIG = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
                "max_position_embeddings", "bos_token_id", "eos_token_id", "dtype")
@@ -46,12 +51,17 @@ def save_hf(path, family, dtype=torch.float32, max_shard_size="5GB", **overrides
     pytest.param("llama", {"tie_word_embeddings": True}, id="llama-tied"),
     pytest.param("qwen2", {"rope_theta": 1e6}, id="qwen2-qkv-bias"),
     pytest.param("mistral", {"head_dim": 8}, id="mistral-head-dim"),
+    pytest.param("llama", {**LLAMA3, "tie_word_embeddings": True}, id="llama3.2-rope-scaling-tied"),
+    pytest.param("qwen3", {"head_dim": 32, "rope_theta": 1e6}, id="qwen3-qk-norm-head-dim"),
+    pytest.param("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, id="llama-linear-rope"),
+    pytest.param("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+                           "rope_theta": 1e6}, id="qwen2-yarn-rope"),
 ])
 def test_converted_model_logits_match_transformers(tmp_path, family, overrides):
     hf = save_hf(tmp_path / "hf", family, max_shard_size="100KB", **overrides)  # sharded source, with an index
     convert("from-hf", tmp_path / "hf", tmp_path / "ours")
     cfg = load_config(tmp_path / "ours" / "config.yaml")
-    assert cfg.model.qkv_bias == (family == "qwen2")
+    assert cfg.model.qkv_bias == (family == "qwen2") and cfg.model.qk_norm == (family == "qwen3")
     assert cfg.model.tie_embeddings == overrides.get("tie_word_embeddings", False)
     assert np.abs(our_logits(tmp_path / "ours") - hf_logits(hf)).max() <= 1e-4
 
@@ -59,6 +69,8 @@ def test_converted_model_logits_match_transformers(tmp_path, family, overrides):
 @pytest.mark.parametrize("family, dtype, overrides, shard", [
     pytest.param("llama", "float32", {}, "100KB", id="llama-fp32-sharded"),
     pytest.param("qwen2", "bfloat16", {"tie_word_embeddings": True, "rope_theta": 1e6}, "2GB", id="qwen2-bf16-tied"),
+    pytest.param("llama", "bfloat16", {**LLAMA3, "tie_word_embeddings": True}, "2GB", id="llama3.2-bf16-tied"),
+    pytest.param("qwen3", "float32", {"head_dim": 32, "tie_word_embeddings": True}, "2GB", id="qwen3-tied"),
 ])
 def test_from_hf_then_to_hf_gives_identical_tensors(tmp_path, family, dtype, overrides, shard):
     save_hf(tmp_path / "hf", family, dtype=getattr(torch, dtype), **overrides)
@@ -111,8 +123,8 @@ def _layernorm_checkpoint(tmp_path):
 ERRORS = {
     "unknown-architecture": (lambda t: ["from-hf", _config_only(t, architectures=["GPT2LMHeadModel"]), t / "o"],
                              ["architecture 'GPT2LMHeadModel'", "LlamaForCausalLM"]),
-    "rope-scaling": (lambda t: ["from-hf", _config_only(t, rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-                                t / "o"], ["rope_scaling 'llama3'"]),
+    "rope-scaling": (lambda t: ["from-hf", _config_only(t, rope_scaling={"rope_type": "longrope", "factor": 8.0}),
+                                t / "o"], ["rope_scaling 'longrope'", "llama3, yarn"]),
     "mistral-sliding-window": (lambda t: ["from-hf", _config_only(
         t, architectures=["MistralForCausalLM"], sliding_window=1024), t / "o"], ["sliding_window=1024"]),
     "gelu": (lambda t: ["from-hf", _config_only(t, hidden_act="gelu"), t / "o"], ["hidden_act='gelu'"]),

@@ -49,7 +49,7 @@ def test_every_hf_tensor_is_one_slice_of_a_stacked_parameter(tmp_path):
     m = source.model
     assert (m.moe.num_experts, m.moe.top_k, m.moe.expert_ffn_size, m.moe.router, m.moe.capacity_factor,
             m.moe.aux_loss_coef) == (4, 2, 128, "softmax", None, 0.02)
-    tensors = llama.hf_tensors(mixtral.layout(model_spec(m).shapes))
+    tensors = llama.hf_tensors(mixtral.layout(m, model_spec(m).shapes))
     with safe_open(source.files["lm_head.weight"], framework="numpy") as f:
         saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     assert {name: llama.hf_shape(e, shape) for name, e, _, shape in tensors} == saved

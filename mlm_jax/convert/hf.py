@@ -20,15 +20,18 @@ from safetensors.numpy import save_file
 
 from mlm_jax.config import Config, ModelConfig
 from mlm_jax.validation import check_config
-from mlm_jax.convert import ConvertError, llama, mixtral, store
+from mlm_jax.convert import ConvertError, llama, mixtral, qwen3_moe, store
 from mlm_jax.train.state import model_spec
 
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
 
 
 def _family(m: ModelConfig):
-    """The module that names and lays out `m`'s tensors: Mixtral for a mixture of experts, else Llama/Qwen2."""
-    return mixtral if m.moe.enabled else llama
+    """The module that names and lays out `m`'s tensors: for a mixture of experts Qwen3-MoE (QK-norm) or
+    Mixtral, else the Llama family (Llama, Qwen2, Qwen3)."""
+    if m.moe.enabled:
+        return qwen3_moe if m.qk_norm else mixtral
+    return llama
 
 
 def _require_empty(dst: str) -> None:
@@ -59,7 +62,7 @@ def from_hf(src: str, dst: str) -> Config:
                                    f"{llama.hf_shape(e, shape)}")
             return llama.to_ours(e, x, shape)
 
-        for e, shape in _family(m).layout(model_spec(m).shapes):
+        for e, shape in _family(m).layout(m, model_spec(m).shapes):
             value = np.empty(shape, dtype)
             for index in np.ndindex(shape[:e.stacked]):  # one HF tensor per (layer, expert) of a stacked parameter
                 value[index] = read(e, shape[e.stacked:], index)
@@ -106,7 +109,7 @@ def to_hf(path: str, dst: str, dtype: str = "float32", max_shard_bytes: int = 2 
     except RuntimeError:  # no host platform configured
         device = jax.devices()[0]
     params = store.restore_weights(c, spec.shapes, device)
-    tensors = llama.hf_tensors(_family(m).layout(spec.shapes))
+    tensors = llama.hf_tensors(_family(m).layout(m, spec.shapes))
     sizes = [math.prod(llama.hf_shape(e, shape)) * out_dtype.itemsize for _, e, _, shape in tensors]
     shards = _shards(sizes, max_shard_bytes)
     os.makedirs(dst, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2) in Hugging Face terms: config keys, tensor names and layouts.
+"""The Llama family (Llama 2 and 3, Mistral, Qwen2, Qwen3) in Hugging Face terms: config keys, tensor names and layouts.
 
 Pure Python and numpy, so a bad source folder is reported before jax loads. Shapes: D model, N query heads,
 K kv heads, H head dim, F ffn, V vocabulary, L layers. HF stores a Linear weight as (out, in); our kernels keep
@@ -10,15 +10,17 @@ import glob
 import json
 import math
 import os
+import typing
 from typing import NamedTuple
 
 import numpy as np
 from safetensors import safe_open
 
-from mlm_jax.config import ModelConfig
+from mlm_jax.config import ModelConfig, RopeScalingConfig
 from mlm_jax.convert import ConvertError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 CARRIED = ("bos_token_id", "eos_token_id", "max_position_embeddings")  # kept in the checkpoint for the way back
 IGNORED_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old checkpoints saved; recomputed by every loader
 
@@ -28,6 +30,7 @@ class Entry(NamedTuple):
     name: str  # HF tensor name; per-layer names hold `{i}`, per-expert ones `{j}` too
     kind: str = "same"  # same: one layout; flat: HF flattens our dims (biases); linear: HF's (out, in) weight
     in_dims: int = 1  # linear: how many leading dims of our kernel are its input
+    layers: tuple[int, ...] = ()  # the HF layer of each index of our stack (`layout` fills it in)
 
     @property
     def layered(self) -> bool:
@@ -39,8 +42,8 @@ class Entry(NamedTuple):
         return ("{i}" in self.name) + ("{j}" in self.name)
 
     def hf_name(self, index: tuple[int, ...] = ()) -> str:
-        """The HF tensor at `index` (layer, expert) of our stacked parameter."""
-        return self.name.format(**dict(zip("ij", index)))
+        """The HF tensor at `index` (index in our layer stack, expert) of our stacked parameter."""
+        return self.name.format(**dict(zip("ij", (self.layers[index[0]], *index[1:]) if index else ())))
 
 
 def _layer(path: str, name: str, *rest) -> Entry:
@@ -57,6 +60,8 @@ ENTRIES = (
     _layer("attn/k/bias", "self_attn.k_proj.bias", "flat"),
     _layer("attn/v/bias", "self_attn.v_proj.bias", "flat"),
     _layer("attn/o/kernel", "self_attn.o_proj.weight", "linear", 2),
+    _layer("attn/q_norm/scale", "self_attn.q_norm.weight"),
+    _layer("attn/k_norm/scale", "self_attn.k_norm.weight"),
     _layer("mlp_norm/scale", "post_attention_layernorm.weight"),
     _layer("mlp/gate/kernel", "mlp.gate_proj.weight", "linear"),
     _layer("mlp/up/kernel", "mlp.up_proj.weight", "linear"),
@@ -83,28 +88,42 @@ def to_hf(e: Entry, x: np.ndarray) -> np.ndarray:
     return x.reshape(-1) if e.kind == "flat" else x
 
 
-def layout(shapes: dict, entries: tuple[Entry, ...] = ENTRIES,
+def stacks(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our layer stacks and the model layers each holds, in order: an MoE model's MoE layers in `blocks` and its
+    dense ones in `dense_blocks` (`layers.transformer`), a dense model's every layer in `blocks`."""
+    moe = tuple(i for i in range(m.num_layers) if not m.moe.enabled or m.moe.is_moe_layer(i))
+    return {"blocks": moe, "dense_blocks": tuple(i for i in range(m.num_layers) if i not in moe)}
+
+
+def layout(m: ModelConfig, shapes: dict, entries: tuple[Entry, ...] = ENTRIES,
            family: str = "Llama") -> list[tuple[Entry, tuple[int, ...]]]:
-    """Our parameters (a nested dict of shaped leaves) in HF order, with their full shapes."""
+    """Our parameters (a nested dict of shaped leaves) in HF order, with their full shapes; a per-layer entry
+    pairs with the parameter of each stack that has it."""
     flat = dict(_leaves(shapes))
-    out = [(e, flat.pop(e.path)) for e in entries if e.path in flat]
+    out = []
+    for e in entries:
+        for stack, layers in (stacks(m).items() if e.layered else [(None, ())]):
+            path = e.path if stack is None else (stack, *e.path[1:])
+            if path in flat:
+                out.append((e._replace(path=path, layers=layers), flat.pop(path)))
     if flat:
         raise ConvertError(f"parameter {'/'.join(next(iter(flat)))} has no Hugging Face {family} counterpart")
     return out
 
 
 def hf_tensors(entries: list[tuple[Entry, tuple[int, ...]]]) -> list[tuple[str, Entry, tuple[int, ...], tuple]]:
-    """(name, entry, index, shape) of every HF tensor in file order: embedding, layer by layer (expert by expert
-    within an entry), head. `index` picks the tensor out of our stacked parameter: (), (layer,) or (layer, expert)."""
-    layered = [(e, shape) for e, shape in entries if e.layered]
-    out = []
-    for e, shape in entries:
+    """(name, entry, index, shape) of every HF tensor in file order: embedding, layer by layer (entry by entry,
+    expert by expert within an entry), final norm and head. `index` picks the tensor out of our stacked
+    parameter: (), (stack index,) or (stack index, expert)."""
+    before, layered, after = [], [], []
+    for order, (e, shape) in enumerate(entries):
         if not e.layered:
-            out.append((e.name, e, (), shape))
-        elif e is layered[0][0]:
-            out += [(f.hf_name((i, *j)), f, (i, *j), s[f.stacked:])
-                    for i in range(shape[0]) for f, s in layered for j in np.ndindex(s[1:f.stacked])]
-    return out
+            (after if layered else before).append((e.name, e, (), shape))
+            continue
+        for i in range(shape[0]):
+            for j in np.ndindex(shape[1:e.stacked]):
+                layered.append(((e.layers[i], order, j), (e.hf_name((i, *j)), e, (i, *j), shape[e.stacked:])))
+    return before + [t for _, t in sorted(layered, key=lambda x: x[0])] + after
 
 
 def _leaves(node: dict, prefix: tuple[str, ...] = ()):
@@ -118,26 +137,28 @@ def _leaves(node: dict, prefix: tuple[str, ...] = ()):
 def model_config(hf: dict) -> ModelConfig:
     """Our model section for an HF `config.json`; anything we would compute differently is refused."""
     arch = (hf.get("architectures") or [None])[0]
-    if arch == "MixtralForCausalLM":  # Mistral's attention with a mixture-of-experts FFN
-        from mlm_jax.convert import mixtral  # it builds on this module
-        return mixtral.model_config(hf)
+    if arch in MOE_ARCHITECTURES:  # their attention is one of ours, with a mixture-of-experts FFN
+        from mlm_jax.convert import mixtral, qwen3_moe  # they build on this module
+        return {"MixtralForCausalLM": mixtral, "Qwen3MoeForCausalLM": qwen3_moe}[arch].model_config(hf)
     if arch not in ARCHITECTURES:
         raise ConvertError(f"architecture {arch!r} is not supported "
-                           f"(expected one of {', '.join(ARCHITECTURES)}, MixtralForCausalLM)")
+                           f"(expected one of {', '.join(ARCHITECTURES + MOE_ARCHITECTURES)})")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if hf.get(k) is None]
     if missing:
         raise ConvertError(f"config.json lacks {', '.join(missing)}")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConvertError(f"hidden_act={hf['hidden_act']!r} is not supported (only silu, i.e. SwiGLU)")
-    theta = _rope_theta(hf)
+    rotary = rope(hf)
+    if rotary["partial_rotary_factor"] != 1:
+        raise ConvertError(f"partial_rotary_factor={rotary['partial_rotary_factor']}: {arch} rotates whole heads")
     window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings")
     if arch == "MistralForCausalLM" and window is not None and (positions is None or window < positions):
         raise ConvertError(f"sliding_window={window} is in use (max_position_embeddings={positions}); "
                            f"mlm_jax attends to the whole context")
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
         raise ConvertError("use_sliding_window=true is not supported; mlm_jax attends to the whole context")
-    if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
+    if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):  # Qwen3's also adds one to o_proj
         raise ConvertError("attention_bias=true is not supported (it adds an o_proj bias, which mlm_jax lacks)")
     if hf.get("mlp_bias"):
         raise ConvertError("mlp_bias=true is not supported")
@@ -147,37 +168,72 @@ def model_config(hf: dict) -> ModelConfig:
         vocab_size=hf["vocab_size"], hidden_size=dim, num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=None if head_dim * heads == dim else head_dim,
         ffn_size=hf["intermediate_size"], norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        activation="swiglu", rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM")
+        activation="swiglu", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM", **rotary)
 
 
-def _rope_theta(hf: dict) -> float:
-    """transformers 4 writes `rope_theta` and `rope_scaling`; 5 writes both into `rope_parameters`."""
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                      "mscale_all_dim", "attention_factor", "truncate")}
+
+
+def rope(hf: dict) -> dict:
+    """`rope_theta`, `rope_scaling` and `partial_rotary_factor` as our model fields. transformers 4 writes
+    `rope_theta` and `rope_scaling`; 5 writes both into `rope_parameters`."""
     params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default":
-        raise ConvertError(f"rope_scaling {kind!r} is not supported (plain RoPE only)")
-    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling = dict(hf.get("rope_scaling") or params)
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    theta = float(hf.get("rope_theta") or scaling.pop("rope_theta", None) or 10000.0)
+    scaling.pop("rope_theta", None)
+    fraction = float(scaling.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0)
+    if kind not in ("default", *ROPE_KEYS):
+        raise ConvertError(f"rope_scaling {kind!r} is not supported (default, linear, llama3, yarn)")
+    if kind in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
+        scaling["original_max_position_embeddings"] = hf.get("original_max_position_embeddings") or hf.get(
+            "max_position_embeddings")
+    if kind == "yarn" and scaling.get("factor") is None:  # DeepSeek-V3 style: the ratio of the two contexts
+        scaling["factor"] = hf["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    unknown = sorted(k for k, v in scaling.items() if k not in ROPE_KEYS.get(kind, ()) and v is not None)
+    if unknown:
+        raise ConvertError(f"rope_scaling field {unknown[0]!r} ({kind}) is not supported")
+    hints = typing.get_type_hints(RopeScalingConfig)
+    values = {k: float(v) if float in typing.get_args(hints[k]) + (hints[k],) else v for k, v in scaling.items()
+              if v is not None and kind != "default"}
+    return dict(rope_theta=theta, partial_rotary_factor=fraction,
+                rope_scaling=RopeScalingConfig(rope_type=kind, **values))
+
+
+def hf_rope(m: ModelConfig) -> dict:
+    """Our RoPE fields as `config.json` keys (the way back of `rope`)."""
+    r = m.rope_scaling
+    scaling = None
+    if r.rope_type != "default":
+        scaling = {"rope_type": r.rope_type, **{k: getattr(r, k) for k in ROPE_KEYS[r.rope_type]
+                                                 if getattr(r, k) is not None}}
+    out = {"rope_theta": m.rope_theta, "rope_scaling": scaling}
+    return {**out, "partial_rotary_factor": m.partial_rotary_factor} if m.partial_rotary_factor != 1 else out
 
 
 def hf_config(m: ModelConfig, dtype: str, carried: dict) -> dict:
-    """`config.json` for `m`: LlamaForCausalLM, or Qwen2ForCausalLM when q/k/v have biases."""
+    """`config.json` for `m`: Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with q/k/v biases, else
+    LlamaForCausalLM."""
     for unsupported, what in ((m.norm != "rmsnorm", f"model.norm={m.norm}"),
                               (m.activation != "swiglu", f"model.activation={m.activation}"),
-                              (m.qk_norm, "model.qk_norm=true")):
+                              (m.qk_norm and m.qkv_bias, "model.qk_norm=true with model.qkv_bias=true")):
         if unsupported:
-            raise ConvertError(f"{what} cannot be exported (Llama/Qwen2 use RMSNorm, SwiGLU, no QK-norm)")
-    qwen = m.qkv_bias
+            raise ConvertError(f"{what} cannot be exported (Llama, Qwen2 and Qwen3 use RMSNorm, SwiGLU, and either "
+                               f"q/k/v biases (Qwen2) or QK-norm (Qwen3))")
+    arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
     config = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [arch], "model_type": arch.removesuffix("ForCausalLM").lower(),
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size,
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.kv_heads, "head_dim": m.dim_per_head, "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": None,
+        "rms_norm_eps": m.norm_eps, **hf_rope(m),
         "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype,
-        **({"use_sliding_window": False} if qwen else {"attention_bias": False, "mlp_bias": False}),
+        **({"use_sliding_window": False} if arch != "LlamaForCausalLM" else {"mlp_bias": False}),
+        **({"attention_bias": False} if arch != "Qwen2ForCausalLM" else {}),
     }
     return {**config, **carried}
 

@@ -32,8 +32,8 @@ ENTRIES = (
 )
 
 
-def layout(shapes: dict) -> list[tuple[llama.Entry, tuple[int, ...]]]:
-    return llama.layout(shapes, ENTRIES, "Mixtral")
+def layout(m: ModelConfig, shapes: dict) -> list[tuple[llama.Entry, tuple[int, ...]]]:
+    return llama.layout(m, shapes, ENTRIES, "Mixtral")
 
 
 def model_config(hf: dict) -> ModelConfig:
@@ -60,6 +60,7 @@ def hf_config(m: ModelConfig, dtype: str, carried: dict) -> dict:
             (m.qk_norm, "model.qk_norm=true"),
             (m.qkv_bias, "model.qkv_bias=true"),
             (moe.router != "softmax", f"model.moe.router={moe.router}"),
+            (not moe.normalize_weights, "model.moe.normalize_weights=false"),
             (moe.router_bias_update != 0, f"model.moe.router_bias_update={moe.router_bias_update}"),
             (moe.shared_experts, f"model.moe.shared_experts={moe.shared_experts}"),
             (not all(moe.is_moe_layer(i) for i in range(m.num_layers)),

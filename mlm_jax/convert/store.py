@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
-from mlm_jax.config import ModelConfig, MoEConfig
+from mlm_jax.config import ModelConfig, model_from_dict
 from mlm_jax.convert import ConvertError
 from mlm_jax.train import checkpoint as ckpt
 
@@ -23,8 +23,7 @@ class Checkpoint(NamedTuple):
 
     @property
     def model(self) -> ModelConfig:
-        model = self.meta["config"]["model"]
-        return ModelConfig(**{**model, "moe": MoEConfig(**model.get("moe", {}))})  # older checkpoints lack `moe`
+        return model_from_dict(self.meta["config"]["model"])
 
 
 def _manager(directory: str, create: bool = False) -> ocp.CheckpointManager:

@@ -10,7 +10,7 @@ from flax import nnx
 from mlm_jax.layers import axes as ax
 from mlm_jax.layers.linear import Linear
 from mlm_jax.layers.norm import Norm
-from mlm_jax.layers.rope import apply_rope
+from mlm_jax.layers.rope import RopeConfig, apply_rope
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class AttentionConfig:
     num_heads: int
     kv_heads: int
     head_dim: int
-    rope_theta: float
+    rope: RopeConfig
     qk_norm: bool
     qkv_bias: bool
     norm_eps: float
@@ -84,8 +84,8 @@ class Attention(nnx.Module):
         v_BSKH = ax.constrain(self.v(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
         if self.c.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
-        q_BSNH = apply_rope(q_BSNH, positions_BS, self.c.rope_theta)
-        k_BSKH = apply_rope(k_BSKH, positions_BS, self.c.rope_theta)
+        q_BSNH = apply_rope(q_BSNH, positions_BS, self.c.rope)
+        k_BSKH = apply_rope(k_BSKH, positions_BS, self.c.rope)
         out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl)
         out_BSNH = ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
         return self.o(out_BSNH)

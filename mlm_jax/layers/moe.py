@@ -6,7 +6,8 @@ Routing runs in fp32 on the global (automatically sharded) batch, so every stati
 statistic whatever the layout: XLA turns the means into all-reduces. The experts themselves run through
 `layers.experts.expert_ffn`, or the expert-parallel kernel the trainer installs (`axes.EXPERT_FFN`).
 
-- softmax router (Mixtral): softmax over all E logits, top-k, weights renormalised to sum 1.
+- softmax router (Mixtral, Qwen3-MoE): softmax over all E logits, top-k, weights renormalised to sum 1 (unless
+  `normalize_weights` is off).
 - sigmoid router (DeepSeek-V3): sigmoid scores; the top-k are chosen on score + a per-expert `bias` that the
   trainer moves towards balanced load after each step (never by the gradient); weights are the chosen scores,
   renormalised.
@@ -79,7 +80,7 @@ class MoE(nnx.Module):
             _, experts_BSK = jax.lax.top_k(biased_BSE, K)
             chosen_BSK = jnp.take_along_axis(scores_BSE, experts_BSK, axis=-1)
             probs_BSE = scores_BSE / jnp.sum(scores_BSE, axis=-1, keepdims=True)
-        weights_BSK = chosen_BSK / jnp.sum(chosen_BSK, axis=-1, keepdims=True)
+        weights_BSK = chosen_BSK / jnp.sum(chosen_BSK, axis=-1, keepdims=True) if m.normalize_weights else chosen_BSK
         load_E = jnp.mean(jnp.sum(jax.nn.one_hot(experts_BSK, E, dtype=jnp.float32), axis=2), axis=(0, 1)) / K
         stats = {
             "aux_loss": E * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(probs_BSE, axis=(0, 1))),

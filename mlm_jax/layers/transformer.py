@@ -22,6 +22,7 @@ from mlm_jax.layers.embed import Embed
 from mlm_jax.layers.linear import Linear
 from mlm_jax.layers.moe import MoELayerConfig
 from mlm_jax.layers.norm import Norm
+from mlm_jax.layers.rope import RopeConfig
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute everything
@@ -31,12 +32,21 @@ REMAT_POLICIES = {
 
 def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
     attention = AttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads,
-                                head_dim=m.dim_per_head, rope_theta=m.rope_theta, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
-                                norm_eps=m.norm_eps, impl=m.attention_impl)
+                                head_dim=m.dim_per_head, rope=rope_config(m), qk_norm=m.qk_norm,
+                                qkv_bias=m.qkv_bias, norm_eps=m.norm_eps, impl=m.attention_impl)
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
                        out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision,
                        moe=MoELayerConfig(m.hidden_size, m.expert_ffn, m.moe) if moe else None)
+
+
+def rope_config(m: ModelConfig) -> RopeConfig:
+    r = m.rope_scaling
+    return RopeConfig(theta=m.rope_theta, rotary_dim=m.rotary_dim, kind=r.rope_type, factor=r.factor,
+                      low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                      original_context=r.original_max_position_embeddings, beta_fast=r.beta_fast,
+                      beta_slow=r.beta_slow, mscale=r.mscale, mscale_all_dim=r.mscale_all_dim,
+                      attention_factor=r.attention_factor, truncate=r.truncate)
 
 
 def layer_runs(m: ModelConfig) -> tuple[tuple[bool, int, int], ...]:
