@@ -208,8 +208,9 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
     chunk_sizes(cfg.parallel.pipeline_layers, m, t.seq_len, P, V)
     if m.num_heads % d["tensor"]:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tensor={d['tensor']}")
-    if m.kv_heads % d["tensor"]:
-        raise ConfigError(f"model.num_kv_heads={m.kv_heads} is not divisible by parallel.tensor={d['tensor']}")
+    if m.kv_heads % d["tensor"] and d["tensor"] % m.kv_heads:
+        raise ConfigError(f"model.num_kv_heads={m.kv_heads} and parallel.tensor={d['tensor']}: one must divide the "
+                          f"other (K/V heads split over the tensor ranks, or each repeated on the ranks sharing it)")
     cp = d["context"]
     if cp > 1 and t.seq_len % (2 * cp):
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2 x parallel.context={cp} (causal load "

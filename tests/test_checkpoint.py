@@ -212,11 +212,18 @@ def _logged_losses(run_dir):
     return [(r["step"], r["loss"]) for r in lines if "loss" in r]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_and_exits_0_then_the_cli_resumes_bit_exactly(tmp_path, sig):
-    steps = "train.steps=12"
-    full = _cli(tmp_path / "full", steps)
+@pytest.fixture(scope="module")
+def uninterrupted_cli_run(tmp_path_factory):
+    """The losses of 12 steps through the CLI, uninterrupted."""
+    run_dir = tmp_path_factory.mktemp("full")
+    full = _cli(run_dir, "train.steps=12")
     assert full.wait(timeout=300) == 0, full.stderr.read()
+    return _logged_losses(run_dir)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_and_exits_0_then_the_cli_resumes_bit_exactly(tmp_path, sig, uninterrupted_cli_run):
+    steps = "train.steps=12"
     proc = _cli(tmp_path / "split", steps)
     _wait_for_step(proc, 2)
     proc.send_signal(sig)
@@ -228,7 +235,7 @@ def test_signal_saves_and_exits_0_then_the_cli_resumes_bit_exactly(tmp_path, sig
     again = _cli(tmp_path / "split", steps)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0 and f"resumed from {tmp_path / 'split' / 'checkpoints'}/{saved[0]}" in out, err
-    assert _logged_losses(tmp_path / "split") == _logged_losses(tmp_path / "full")
+    assert _logged_losses(tmp_path / "split") == uninterrupted_cli_run
 
 
 def test_cli_resumes_a_run_under_other_layouts_with_the_same_losses(tmp_path):

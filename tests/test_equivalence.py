@@ -60,3 +60,13 @@ def test_gqa_qknorm_tied_layernorm_gelu_under_tensor_parallelism(tmp_path):
     got = run(variant + ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
                                            "parallel.sequence_parallel=true"], 8, tmp_path / "tp")
     assert_matches(got, ref)
+
+
+@pytest.mark.parametrize("kv_heads, layout", [
+    pytest.param(2, ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true"], id="kv2-tensor4-sp"),
+    pytest.param(1, ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"], id="kv1-fsdp2-tensor2"),
+])
+def test_fewer_kv_heads_than_tensor_ranks_match_single_device(kv_heads, layout, tmp_path):
+    variant = [f"model.num_kv_heads={kv_heads}", "model.num_layers=2"]
+    ref = run(variant + ["parallel.data=1"], 1, tmp_path / "ref")
+    assert_matches(run(variant + layout, 8, tmp_path / "tp"), ref)

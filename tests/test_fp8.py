@@ -88,7 +88,7 @@ def test_fp8_program_contains_fp8_dots():
     assert len(dots) == 3 and all(line.split(":")[-1].split("->")[0].count("xf8E") == 2 for line in dots)  # fwd, dgrad, wgrad
 
 
-BASE = ["train.steps=40", "train.log_every=40", "train.eval_every=0", "train.global_batch_size=8",
+BASE = ["train.steps=40", "train.log_every=40", "train.eval_every=0", "train.global_batch_size=8", "model.num_layers=2",
         "train.seq_len=64", "log.progress=never", "data.max_bytes=2000000", "parallel.data=1"]
 
 

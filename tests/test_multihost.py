@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import FAST_COMPILE
 
 from mlm_jax import load_config
 from mlm_jax.parallel import distributed
@@ -23,7 +24,6 @@ from mlm_jax.validation import resolve_degrees
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = str(REPO / "scripts" / "launch_local.sh")
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 # The tiny model in fp32 with a constant learning rate: a run of 5 steps then 3 more, in any layout, is the run of 8.
 RUN = ["model.dtype=float32", "optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=1e-2",
        "train.global_batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=0",

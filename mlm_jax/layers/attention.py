@@ -54,11 +54,15 @@ def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str) -
     """
     if (replacement := ax.kernel(ax.ATTENTION)) is not None:
         return replacement(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype))
+    return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype))
+
+
+def local_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, impl: str) -> jax.Array:
+    """Causal attention through the kernel `impl` names (cudnn, xla or te), with no collective of its own."""
     if impl == "te":
         from mlm_jax.layers import te  # optional backend, imported only when chosen
         return te.attend(q_BSNH, k_BSKH, v_BSKH)
-    return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True,
-                                        implementation=kernel_for(impl, q_BSNH.dtype))
+    return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True, implementation=impl)
 
 
 class Attention(nnx.Module):

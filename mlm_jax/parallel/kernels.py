@@ -8,6 +8,8 @@ load-balanced order (rank r holds chunks r and 2*cp-1-r), with the RoPE position
 loss is a mean over tokens, so the permutation leaves it unchanged. Expert parallelism replaces the experts'
 computation with `expert.expert_parallel_ffn` whenever tokens are split over devices (with `expert` = 1 too: each
 device then sorts and multiplies only its own tokens, and the Hopper grouped GEMM is never partitioned by XLA).
+With fewer K/V heads than tensor ranks, attention gets each K/V head repeated once per rank that reads it
+(`repeated_kv_heads`), in front of whichever attention kernel the layout runs.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.config import Config
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers.attention import local_attention
 from mlm_jax.parallel.context import context_attention, load_balance_order
 from mlm_jax.parallel.expert import expert_parallel_ffn
 
@@ -39,7 +42,21 @@ def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int],
         prepare = functools.partial(load_balance, perm=jnp.asarray(load_balance_order(cfg.train.seq_len, cp)))
     if cfg.model.moe.enabled and any(degrees[a] > 1 for a in ("data", "fsdp", "context", "expert", "tensor")):
         kernels[ax.EXPERT_FFN] = functools.partial(expert_parallel_ffn, mesh=mesh)
+    t, kv = degrees["tensor"], cfg.model.kv_heads
+    if kv % t:
+        kernels[ax.ATTENTION] = functools.partial(repeated_kv_heads, repeat=t // kv,
+                                                  attention=kernels.get(ax.ATTENTION, local_attention))
     return kernels, prepare
+
+
+def repeated_kv_heads(q_BSNH, k_BSKH, v_BSKH, *, impl: str, repeat: int, attention: Callable) -> jax.Array:
+    """Fewer K/V heads than tensor ranks (`tensor` a multiple of K): each head repeated `repeat` times, so every
+    rank holds one copy of the head its query heads read, as Megatron replicates them. Query head n reads
+    repeated head n // (N / (K * repeat)) = original head n // (N / K): the same function. The K/V weights stay
+    whole on every tensor rank (their `kv_heads` dim does not divide), and only these activations repeat."""
+    k_BSTH, v_BSTH = (ax.constrain(jnp.repeat(x, repeat, axis=2), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
+                      for x in (k_BSKH, v_BSKH))
+    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl)
 
 
 def load_balance(batch: dict, perm) -> dict:
