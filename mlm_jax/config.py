@@ -123,6 +123,11 @@ class ModelConfig:
     rope_theta: float = positive(10000.0)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     partial_rotary_factor: float = number(1.0, gt=0, le=1)  # the fraction of each head's dims that rotate
+    # sliding-window attention: each query sees itself and the `sliding_window - 1` tokens before it, in every
+    # layer, or in the layers `layer_types` marks sliding_attention (the others full_attention, as Hugging Face)
+    sliding_window: int | None = positive(None)
+    layer_types: list | None = None
+    local_rope_theta: float | None = positive(None)  # RoPE base of the sliding layers (Gemma 3); null = rope_theta
     tie_embeddings: bool = False
     qk_norm: bool = False
     qkv_bias: bool = False
@@ -148,6 +153,12 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    def is_local(self, i: int) -> bool:
+        """Whether layer i attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[i] == "sliding_attention"
 
     @property
     def rotary_dim(self) -> int:

@@ -71,6 +71,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"model.head_dim={m.dim_per_head}: rotary embeddings need an even head dimension to rotate "
                           f"(model.partial_rotary_factor={m.partial_rotary_factor} rotates {m.rotary_dim} dims)")
     _check_rope_scaling(m.rope_scaling)
+    _check_layer_types(m)
     _check_moe(m.moe, m.num_layers)
     p = cfg.parallel
     degrees = {k: getattr(p, k) for k in DEGREE_KEYS}
@@ -97,6 +98,21 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"data.paths={d.paths}: expected a list of prepared directories")
     from mlm_jax.parallel.rules import make_rules  # the table's own parser names the bad entry
     make_rules(p.rules, p.sequence_parallel)
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _check_layer_types(m) -> None:
+    types_ = m.layer_types
+    if types_ is None:
+        return
+    if len(types_) != m.num_layers or any(t not in LAYER_TYPES for t in types_):
+        raise ConfigError(f"model.layer_types={types_}: expected model.num_layers={m.num_layers} entries, each "
+                          f"{' or '.join(LAYER_TYPES)}")
+    if "sliding_attention" in types_ and m.sliding_window is None:
+        raise ConfigError("model.layer_types has sliding_attention layers but model.sliding_window is null; set the "
+                          "window")
 
 
 ROPE_FIELDS = {"yarn": ("original_max_position_embeddings",),
@@ -212,6 +228,15 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
         raise ConfigError(f"model.num_kv_heads={m.kv_heads} and parallel.tensor={d['tensor']}: one must divide the "
                           f"other (K/V heads split over the tensor ranks, or each repeated on the ranks sharing it)")
     cp = d["context"]
+    if m.sliding_window is not None and cp > 1:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} with parallel.context={cp}: context-parallel "
+                          f"attention has no sliding window; use parallel.context=1")
+    if m.sliding_window is not None and m.attention_impl == "te":
+        raise ConfigError(f"model.sliding_window={m.sliding_window} with model.attention_impl=te: the Transformer "
+                          f"Engine kernel here is causal only; use model.attention_impl=auto")
+    if P > 1 and len({m.is_local(i) for i in range(m.num_layers)}) > 1:
+        raise ConfigError(f"parallel.stage={P} with model.layer_types mixing sliding and full attention: pipeline "
+                          f"chunks run one kind of layer; use no pipeline stages")
     if cp > 1 and t.seq_len % (2 * cp):
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2 x parallel.context={cp} (causal load "
                           f"balancing cuts the sequence into 2 x context chunks)")

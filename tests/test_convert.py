@@ -36,7 +36,8 @@ LLAMA3 = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "facto
                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
 SAME_CONFIG = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
-               "max_position_embeddings", "bos_token_id", "eos_token_id", "dtype")
+               "max_position_embeddings", "bos_token_id", "eos_token_id", "dtype", "sliding_window", "layer_types",
+               "use_sliding_window")
 
 
 def save_hf(path, family, dtype=torch.float32, max_shard_size="5GB", **overrides):
@@ -53,6 +54,10 @@ def save_hf(path, family, dtype=torch.float32, max_shard_size="5GB", **overrides
     pytest.param("mistral", {"head_dim": 8}, id="mistral-head-dim"),
     pytest.param("llama", {**LLAMA3, "tie_word_embeddings": True}, id="llama3.2-rope-scaling-tied"),
     pytest.param("qwen3", {"head_dim": 32, "rope_theta": 1e6}, id="qwen3-qk-norm-head-dim"),
+    # windows shorter than the 24 test tokens: every layer (Mistral), the layers from max_window_layers (Qwen2)
+    pytest.param("mistral", {"sliding_window": 8}, id="mistral-sliding-window"),
+    pytest.param("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+                 id="qwen2-sliding-window-from-layer-1"),
     pytest.param("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, id="llama-linear-rope"),
     pytest.param("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
                            "rope_theta": 1e6}, id="qwen2-yarn-rope"),
@@ -71,6 +76,9 @@ def test_converted_model_logits_match_transformers(tmp_path, family, overrides):
     pytest.param("qwen2", "bfloat16", {"tie_word_embeddings": True, "rope_theta": 1e6}, "2GB", id="qwen2-bf16-tied"),
     pytest.param("llama", "bfloat16", {**LLAMA3, "tie_word_embeddings": True}, "2GB", id="llama3.2-bf16-tied"),
     pytest.param("qwen3", "float32", {"head_dim": 32, "tie_word_embeddings": True}, "2GB", id="qwen3-tied"),
+    pytest.param("qwen3", "float32", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+                 "2GB", id="qwen3-sliding-window"),
+    pytest.param("mistral", "float32", {"sliding_window": 8}, "2GB", id="mistral-sliding-window"),
 ])
 def test_from_hf_then_to_hf_gives_identical_tensors(tmp_path, family, dtype, overrides, shard):
     save_hf(tmp_path / "hf", family, dtype=getattr(torch, dtype), **overrides)
@@ -82,7 +90,7 @@ def test_from_hf_then_to_hf_gives_identical_tensors(tmp_path, family, dtype, ove
     assert (tmp_path / "back" / "model.safetensors.index.json").exists() == (shard == "100KB")
     before, after = (transformers.AutoConfig.from_pretrained(tmp_path / d) for d in ("hf", "back"))
     assert type(after) is type(before)
-    assert {k: getattr(after, k) for k in SAME_CONFIG} == {k: getattr(before, k) for k in SAME_CONFIG}
+    assert {k: getattr(after, k, None) for k in SAME_CONFIG} == {k: getattr(before, k, None) for k in SAME_CONFIG}
 
 
 def test_checkpoint_trained_under_fsdp_tp_dp_exports_to_transformers(tmp_path):
@@ -125,8 +133,9 @@ ERRORS = {
                              ["architecture 'GPT2LMHeadModel'", "LlamaForCausalLM"]),
     "rope-scaling": (lambda t: ["from-hf", _config_only(t, rope_scaling={"rope_type": "longrope", "factor": 8.0}),
                                 t / "o"], ["rope_scaling 'longrope'", "llama3, yarn"]),
-    "mistral-sliding-window": (lambda t: ["from-hf", _config_only(
-        t, architectures=["MistralForCausalLM"], sliding_window=1024), t / "o"], ["sliding_window=1024"]),
+    "bad-layer-types": (lambda t: ["from-hf", _config_only(
+        t, architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=4,
+        layer_types=["sliding_attention"]), t / "o"], ["layer_types=['sliding_attention']", "num_hidden_layers="]),
     "gelu": (lambda t: ["from-hf", _config_only(t, hidden_act="gelu"), t / "o"], ["hidden_act='gelu'"]),
     "no-config-json": (lambda t: ["from-hf", t, t / "o"], ["config.json: no such file"]),
     "no-safetensors": (lambda t: ["from-hf", _config_only(t), t / "o"], ["no *.safetensors"]),

@@ -70,3 +70,37 @@ def test_fewer_kv_heads_than_tensor_ranks_match_single_device(kv_heads, layout, 
     variant = [f"model.num_kv_heads={kv_heads}", "model.num_layers=2"]
     ref = run(variant + ["parallel.data=1"], 1, tmp_path / "ref")
     assert_matches(run(variant + layout, 8, tmp_path / "tp"), ref)
+
+
+# What today's open families switch on, as config choices of the one model (each imported and checked against
+# transformers in the test_convert* files): Llama 3 RoPE scaling past its original context, Qwen3's QK-norm and
+# explicit head dim, tied embeddings, GQA, sliding windows in every layer (Mistral) or interleaved with full layers
+# and their own RoPE base (Qwen2, Gemma 3), and Qwen3-MoE's dense layers among unnormalised top-k experts.
+FAMILIES = {
+    "llama3-qwen3-window": ["model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, "
+                            "high_freq_factor: 4.0, original_max_position_embeddings: 16}", "model.rope_theta=500000",
+                            "model.qk_norm=true", "model.head_dim=48", "model.num_kv_heads=2",
+                            "model.tie_embeddings=true", "model.sliding_window=16", "model.num_layers=2"],
+    "interleaved-windows": ["model.sliding_window=8", "model.local_rope_theta=1000",
+                            "model.layer_types=[sliding_attention, full_attention, sliding_attention]",
+                            "model.num_layers=3", "model.rope_scaling={rope_type: linear, factor: 2.0}"],
+    "qwen3-moe": ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_size=64",
+                  "model.moe.normalize_weights=false", "model.moe.dense_layers=[1]", "model.num_layers=3",
+                  "model.qk_norm=true"],
+}
+FAMILY_LAYOUTS = [
+    ("llama3-qwen3-window", ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
+                             "parallel.sequence_parallel=true"]),
+    ("llama3-qwen3-window", ["parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
+                             "parallel.pipeline_schedule=zb1"]),
+    ("interleaved-windows", ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"]),
+    ("qwen3-moe", ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"]),
+]
+
+
+@pytest.mark.parametrize("family, layout", FAMILY_LAYOUTS,
+                         ids=[f"{f}-{'-'.join(o.split('.')[1].replace('=', '') for o in lay[:3])}"
+                              for f, lay in FAMILY_LAYOUTS])
+def test_family_features_match_single_device(family, layout, tmp_path):
+    ref = run(FAMILIES[family] + ["parallel.data=1"], 1, tmp_path / "ref")
+    assert_matches(run(FAMILIES[family] + layout, 8, tmp_path / "layout"), ref)

@@ -152,12 +152,7 @@ def model_config(hf: dict) -> ModelConfig:
     rotary = rope(hf)
     if rotary["partial_rotary_factor"] != 1:
         raise ConvertError(f"partial_rotary_factor={rotary['partial_rotary_factor']}: {arch} rotates whole heads")
-    window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings")
-    if arch == "MistralForCausalLM" and window is not None and (positions is None or window < positions):
-        raise ConvertError(f"sliding_window={window} is in use (max_position_embeddings={positions}); "
-                           f"mlm_jax attends to the whole context")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
-        raise ConvertError("use_sliding_window=true is not supported; mlm_jax attends to the whole context")
+    window, layer_types = _sliding_window(hf, arch)
     if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):  # Qwen3's also adds one to o_proj
         raise ConvertError("attention_bias=true is not supported (it adds an o_proj bias, which mlm_jax lacks)")
     if hf.get("mlp_bias"):
@@ -169,7 +164,41 @@ def model_config(hf: dict) -> ModelConfig:
         num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=None if head_dim * heads == dim else head_dim,
         ffn_size=hf["intermediate_size"], norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         activation="swiglu", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM", **rotary)
+        qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM", sliding_window=window,
+        layer_types=layer_types, **rotary)
+
+
+def _sliding_window(hf: dict, arch: str) -> tuple[int | None, list | None]:
+    """(window, per-layer types or None for every layer) of an HF config: Mistral windows every layer, Qwen2 and
+    Qwen3 (with `use_sliding_window`) the layers `layer_types` marks, by default those from `max_window_layers`."""
+    window = hf.get("sliding_window")
+    if arch == "MistralForCausalLM" or window is None:
+        return window, None
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or not hf.get("use_sliding_window"):
+        return None, None
+    n = hf["num_hidden_layers"]
+    types_ = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", n) else
+                                       "full_attention" for i in range(n)]
+    if len(types_) != n or not set(types_) <= {"sliding_attention", "full_attention"}:
+        raise ConvertError(f"layer_types={types_}: expected num_hidden_layers={n} entries of sliding_attention or "
+                           f"full_attention")
+    if "sliding_attention" not in types_:
+        return None, None
+    return window, None if set(types_) == {"sliding_attention"} else list(types_)
+
+
+def hf_sliding_window(m: ModelConfig, arch: str) -> dict:
+    """Our sliding window as `config.json` keys of `arch` (the way back of `_sliding_window`)."""
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if m.sliding_window is None:
+            return {"use_sliding_window": False}
+        types_ = ["sliding_attention" if m.is_local(i) else "full_attention" for i in range(m.num_layers)]
+        return {"use_sliding_window": True, "sliding_window": m.sliding_window, "layer_types": types_,
+                "max_window_layers": types_.index("sliding_attention")}
+    if m.layer_types is not None and m.sliding_window is not None:
+        raise ConvertError(f"model.layer_types mixing sliding and full layers cannot be exported as {arch} (it "
+                           f"windows every layer or none); Qwen2 and Qwen3 can")
+    return {"sliding_window": m.sliding_window} if m.sliding_window is not None else {}
 
 
 ROPE_KEYS = {"linear": ("factor",),
@@ -225,6 +254,8 @@ def hf_config(m: ModelConfig, dtype: str, carried: dict) -> dict:
             raise ConvertError(f"{what} cannot be exported (Llama, Qwen2 and Qwen3 use RMSNorm, SwiGLU, and either "
                                f"q/k/v biases (Qwen2) or QK-norm (Qwen3))")
     arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+    if arch == "LlamaForCausalLM" and m.sliding_window is not None:  # Mistral is Llama with a window
+        arch = "MistralForCausalLM"
     config = {
         "architectures": [arch], "model_type": arch.removesuffix("ForCausalLM").lower(),
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size,
@@ -232,8 +263,8 @@ def hf_config(m: ModelConfig, dtype: str, carried: dict) -> dict:
         "num_key_value_heads": m.kv_heads, "head_dim": m.dim_per_head, "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps, **hf_rope(m),
         "tie_word_embeddings": m.tie_embeddings, "torch_dtype": dtype,
-        **({"use_sliding_window": False} if arch != "LlamaForCausalLM" else {"mlp_bias": False}),
-        **({"attention_bias": False} if arch != "Qwen2ForCausalLM" else {}),
+        **hf_sliding_window(m, arch), **({"mlp_bias": False} if arch == "LlamaForCausalLM" else {}),
+        **({"attention_bias": False} if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else {}),
     }
     return {**config, **carried}
 

@@ -69,8 +69,8 @@ def hf_config(m: ModelConfig, dtype: str, carried: dict) -> dict:
             raise ConvertError(f"{what} cannot be exported (Mixtral: RMSNorm, no biases or QK-norm, a softmax "
                                f"router without bias, no shared experts, an MoE FFN in every layer)")
     config = llama.hf_config(dataclasses.replace(m, ffn_size=m.expert_ffn), dtype, {})
-    del config["attention_bias"], config["mlp_bias"]
-    return {**config, "architectures": [ARCHITECTURE], "model_type": "mixtral", "sliding_window": None,
+    config.pop("attention_bias", None), config.pop("mlp_bias", None)
+    return {**config, "architectures": [ARCHITECTURE], "model_type": "mixtral", "sliding_window": m.sliding_window,
             "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "router_aux_loss_coef": moe.aux_loss_coef, "router_jitter_noise": 0.0, "output_router_logits": False,
             **carried}

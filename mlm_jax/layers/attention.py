@@ -1,4 +1,4 @@
-"""Causal self-attention with GQA/MQA, RoPE and optional QK-norm; one kernel entry point, `attend`."""
+"""Causal self-attention with GQA/MQA, RoPE, optional QK-norm and sliding windows; one kernel entry point, `attend`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +24,8 @@ class AttentionConfig:
     qkv_bias: bool
     norm_eps: float
     impl: str  # auto | cudnn | xla | te
+    window: int | None = None  # sliding-window layers: each query sees itself and the `window - 1` before it
+    local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers (Gemma 3's own base); None = `rope`
 
 
 def kernel_for(impl: str, dtype, platform: str | None = None) -> str:
@@ -46,23 +48,27 @@ def unavailable(kernel: str, dtype, platform: str) -> str | None:
     return None
 
 
-def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str) -> jax.Array:
-    """Causal attention; K/V heads may be fewer than query heads (GQA), never repeated in memory.
+def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str, window: int | None = None) -> jax.Array:
+    """Causal attention, within a sliding `window` if given; K/V heads may be fewer than query heads (GQA), never
+    repeated in memory.
 
     Under context parallelism the trainer installs its own kernel (`axes.ATTENTION`), which gets the sequence in
     its load-balanced order and the kernel this one would have used.
     """
     if (replacement := ax.kernel(ax.ATTENTION)) is not None:
-        return replacement(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype))
-    return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype))
+        return replacement(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype), window=window)
+    return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype), window=window)
 
 
-def local_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, impl: str) -> jax.Array:
-    """Causal attention through the kernel `impl` names (cudnn, xla or te), with no collective of its own."""
+def local_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, impl: str,
+                    window: int | None = None) -> jax.Array:
+    """Causal attention through the kernel `impl` names (cudnn, xla or te), with no collective of its own. A
+    window is cuDNN's local window on GPUs (blocks outside it are skipped), a mask in XLA."""
     if impl == "te":
         from mlm_jax.layers import te  # optional backend, imported only when chosen
         return te.attend(q_BSNH, k_BSKH, v_BSKH)
-    return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True, implementation=impl)
+    return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True, implementation=impl,
+                                        local_window_size=None if window is None else (window - 1, 0))
 
 
 class Attention(nnx.Module):
@@ -82,14 +88,16 @@ class Attention(nnx.Module):
             nkw = dict(kind="rmsnorm", eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype)
             self.q_norm, self.k_norm = Norm(c.head_dim, **nkw), Norm(c.head_dim, **nkw)
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> jax.Array:
+        """`local`: a sliding-window layer (its window and RoPE)."""
+        rope = (self.c.local_rope or self.c.rope) if local else self.c.rope
         q_BSNH = ax.constrain(self.q(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
         k_BSKH = ax.constrain(self.k(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
         v_BSKH = ax.constrain(self.v(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
         if self.c.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
-        q_BSNH = apply_rope(q_BSNH, positions_BS, self.c.rope)
-        k_BSKH = apply_rope(k_BSKH, positions_BS, self.c.rope)
-        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl)
+        q_BSNH = apply_rope(q_BSNH, positions_BS, rope)
+        k_BSKH = apply_rope(k_BSKH, positions_BS, rope)
+        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl, self.c.window if local else None)
         out_BSNH = ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
         return self.o(out_BSNH)

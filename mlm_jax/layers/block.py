@@ -42,11 +42,12 @@ class Block(nnx.Module):
         else:
             self.moe = MoE(c.moe, **kw)
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, dict]:
-        """The block's output and, for an MoE block, its routing statistics (`MoE.route`)."""
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> tuple[jax.Array, dict]:
+        """The block's output and, for an MoE block, its routing statistics (`MoE.route`); `local`: a
+        sliding-window layer."""
         with jax.named_scope("attention"):  # scopes name the kernels in profiles and HLO dumps
             h_BSD = ax.constrain(self.attn_norm(x_BSD), GATHERED)
-            x_BSD = ax.constrain(x_BSD + self.attn(h_BSD, positions_BS), RESIDUAL)
+            x_BSD = ax.constrain(x_BSD + self.attn(h_BSD, positions_BS, local), RESIDUAL)
         with jax.named_scope("mlp"):
             h_BSD = ax.constrain(self.mlp_norm(x_BSD), GATHERED)
             if hasattr(self, "mlp"):

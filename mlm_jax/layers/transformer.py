@@ -3,8 +3,8 @@
 Shapes: B batch, S sequence, D model, V vocabulary, L layers.
 
 An MoE model keeps its MoE blocks stacked in `blocks` and, when some layers stay dense (`moe.first_dense_layers`,
-`moe.every_n_layers`), those in `dense_blocks`; the layers run in their model order, one contiguous run of each
-kind at a time.
+`moe.every_n_layers`, `moe.dense_layers`), those in `dense_blocks`; the layers run in their model order, one
+contiguous run of each kind (dense or MoE, sliding-window or full attention) at a time.
 """
 from __future__ import annotations
 
@@ -31,9 +31,13 @@ REMAT_POLICIES = {
 
 
 def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
+    local_rope = None
+    if m.local_rope_theta is not None:  # Gemma 3: the sliding layers' own base, without the global scaling
+        local_rope = RopeConfig(theta=m.local_rope_theta, rotary_dim=m.rotary_dim)
     attention = AttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads,
                                 head_dim=m.dim_per_head, rope=rope_config(m), qk_norm=m.qk_norm,
-                                qkv_bias=m.qkv_bias, norm_eps=m.norm_eps, impl=m.attention_impl)
+                                qkv_bias=m.qkv_bias, norm_eps=m.norm_eps, impl=m.attention_impl,
+                                window=m.sliding_window, local_rope=local_rope)
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
                        out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision,
@@ -49,16 +53,17 @@ def rope_config(m: ModelConfig) -> RopeConfig:
                       attention_factor=r.attention_factor, truncate=r.truncate)
 
 
-def layer_runs(m: ModelConfig) -> tuple[tuple[bool, int, int], ...]:
-    """The layers as contiguous runs (dense, first index in that kind's stack, count), in model order."""
+def layer_runs(m: ModelConfig) -> tuple[tuple[bool, bool, int, int], ...]:
+    """The layers as contiguous runs (dense, local, first index in that kind's stack, count), in model order:
+    dense or MoE blocks live in separate stacks, sliding-window (local) and full layers share one."""
     runs: list[list] = []
     seen = {True: 0, False: 0}
     for i in range(m.num_layers):
-        dense = m.moe.enabled and not m.moe.is_moe_layer(i)
-        if runs and runs[-1][0] == dense:
-            runs[-1][2] += 1
+        dense, local = m.moe.enabled and not m.moe.is_moe_layer(i), m.is_local(i)
+        if runs and runs[-1][:2] == [dense, local]:
+            runs[-1][3] += 1
         else:
-            runs.append([dense, seen[dense], 1])
+            runs.append([dense, local, seen[dense], 1])
         seen[dense] += 1
     return tuple(tuple(r) for r in runs)
 
@@ -82,7 +87,8 @@ class Transformer(nnx.Module):
                 return Block(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=key))
             return make(jax.random.split(rngs.params(), count))
 
-        dense_layers = sum(n for dense, _, n in self.runs if dense)
+        dense_layers = sum(n for dense, _, _, n in self.runs if dense)
+        self.local = m.is_local(0)  # of a pipeline chunk's layers: one kind in every layer (`validation`)
         self.blocks = stacked(block_config(m, moe=m.moe.enabled), m.num_layers - dense_layers)
         if dense_layers:
             self.dense_blocks = stacked(bc, dense_layers)
@@ -101,21 +107,22 @@ class Transformer(nnx.Module):
         with jax.named_scope("embed"):
             x_BSD = self.embed(tokens_BS)
         stats = []
-        for dense, start, count in self.runs:
+        for dense, local, start, count in self.runs:
             run = None  # the whole stack
             if len(self.runs) > 1:
                 run = jax.tree.map(lambda w: w[start:start + count],
                                    nnx.state(self.dense_blocks if dense else self.blocks))
-            x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, run, dense=dense)
+            x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, run, dense=dense, local=local)
             if not dense:
                 stats.append(run_stats)
         stats = jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if len(stats) > 1 else stats[0]
         return self.logits(x_BSD), stats
 
-    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None,
-                   dense: bool = False, optional: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None, dense: bool = False,
+                   optional: jax.Array | None = None, local: bool | None = None) -> tuple[jax.Array, dict]:
         """The stacked blocks, or `stacked_state` (a slice of them: a pipeline chunk), in order; returns the
-        output and the per-layer MoE statistics. `optional` (traced bools for the last layers) skips those it
+        output and the per-layer MoE statistics. `local`: sliding-window layers (default: the kind of a model
+        whose layers are all of one kind). `optional` (traced bools for the last layers) skips those it
         marks False: a pipeline chunk shorter than the room its stage has for one. Unrolled, only those layers
         sit in a `lax.cond`; scanned, every layer does (one body).
 
@@ -126,8 +133,10 @@ class Transformer(nnx.Module):
         graphdef, state = nnx.split(self.dense_blocks if dense else self.blocks)
         stacked_state = state if stacked_state is None else stacked_state
 
+        local = self.local if local is None else local
+
         def block(x_BSD, layer_state):
-            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS)
+            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, local)
 
         if self.remat != "none":
             block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)

@@ -198,8 +198,9 @@ def _manual_spec(mesh, q_BSNH, k_BSKH) -> P:
 
 
 def context_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, mesh: Mesh, strategy: str,
-                      impl: str) -> jax.Array:
-    """Causal attention on a load-balanced sequence sharded over `context` (and batch/heads as `_manual_spec`).
+                      impl: str, window: int | None = None) -> jax.Array:
+    """Causal attention on a load-balanced sequence sharded over `context` (and batch/heads as `_manual_spec`);
+    sliding windows are refused (`validation` says so before anything is traced).
 
     The shard_map is manual over every mesh axis not manual already: cuDNN attention's custom partitioning fails
     inside a partially manual one (jax 0.11). Inside an outer `shard_map` (the pipeline's, over `stage`) the
@@ -208,6 +209,8 @@ def context_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *
     context_mesh = jax.sharding.get_abstract_mesh()
     mesh = mesh if context_mesh.empty else context_mesh
     cp = mesh.shape[CONTEXT]
+    if window is not None:
+        raise ValueError(f"context-parallel attention has no sliding window (got {window})")
     if q_BSNH.shape[1] % (2 * cp):
         raise ValueError(f"sequence length {q_BSNH.shape[1]} must be a multiple of 2 x context degree = {2 * cp}")
     spec = _manual_spec(mesh, q_BSNH, k_BSKH)

@@ -49,14 +49,15 @@ def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int],
     return kernels, prepare
 
 
-def repeated_kv_heads(q_BSNH, k_BSKH, v_BSKH, *, impl: str, repeat: int, attention: Callable) -> jax.Array:
+def repeated_kv_heads(q_BSNH, k_BSKH, v_BSKH, *, impl: str, repeat: int, attention: Callable,
+                      window: int | None = None) -> jax.Array:
     """Fewer K/V heads than tensor ranks (`tensor` a multiple of K): each head repeated `repeat` times, so every
     rank holds one copy of the head its query heads read, as Megatron replicates them. Query head n reads
     repeated head n // (N / (K * repeat)) = original head n // (N / K): the same function. The K/V weights stay
     whole on every tensor rank (their `kv_heads` dim does not divide), and only these activations repeat."""
     k_BSTH, v_BSTH = (ax.constrain(jnp.repeat(x, repeat, axis=2), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
                       for x in (k_BSKH, v_BSKH))
-    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl)
+    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl, window=window)
 
 
 def load_balance(batch: dict, perm) -> dict:
@@ -66,7 +67,7 @@ def load_balance(batch: dict, perm) -> dict:
     return out
 
 
-def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable) -> jax.Array:
+def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, window: int | None = None) -> jax.Array:
     """Causal attention inside a pipeline stage, in a `shard_map` manual over the axes the stage's is not.
 
     Batch and heads are split as the rules table lays out attention's activations (`resolver`), the sequence never
@@ -74,7 +75,7 @@ def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable) ->
     GQA groups, or stay whole with them.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
+    attend = functools.partial(local_attention, impl=impl, window=window)
     if mesh.empty or not mesh.manual_axes:
         return attend(q_BSNH, k_BSKH, v_BSKH)
     free = [a for a in mesh.axis_names if a not in mesh.manual_axes]
