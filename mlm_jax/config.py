@@ -119,7 +119,9 @@ class ModelConfig:
     ffn_size: int = positive(384)
     norm: str = choice("rmsnorm", "layernorm")
     norm_eps: float = positive(1e-6)
-    activation: str = choice("swiglu", "gelu")
+    norm_scale_offset: float = 0.0  # a norm multiplies by offset + scale (Gemma: 1, its scales start at 0)
+    post_norms: bool = False  # norms after attention and the FFN too, before their residual adds (Gemma 2, 3)
+    activation: str = choice("swiglu", "gelu", "geglu")  # geglu: tanh-GELU gate (Gemma)
     rope_theta: float = positive(10000.0)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     partial_rotary_factor: float = number(1.0, gt=0, le=1)  # the fraction of each head's dims that rotate
@@ -129,6 +131,9 @@ class ModelConfig:
     layer_types: list | None = None
     local_rope_theta: float | None = positive(None)  # RoPE base of the sliding layers (Gemma 3); null = rope_theta
     tie_embeddings: bool = False
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    attention_scale: float | None = positive(None)  # softmax scale; null = 1 / sqrt(head_dim)
+    final_logit_softcap: float | None = positive(None)  # logits = cap * tanh(logits / cap) (Gemma 2)
     qk_norm: bool = False
     qkv_bias: bool = False
     init_std: float = positive(0.02)

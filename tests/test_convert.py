@@ -155,3 +155,41 @@ def test_cli_rejects_unsupported_input_with_one_line(tmp_path, case):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert all(s in lines[0] for s in expected), lines[0]
+
+
+GEMMA3 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=6, rms_norm_eps=1e-6,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param({}, id="gemma3-local-global-mqa"),
+    pytest.param({"final_logit_softcapping": 30.0, "tie_word_embeddings": False}, id="gemma3-softcap-untied"),
+])
+def test_converted_gemma3_logits_match_transformers(tmp_path, overrides):
+    """A window shorter than the 24 test tokens, a local and a global layer with their own RoPE, one KV head, a
+    softmax scale other than head_dim^-1/2."""
+    torch.manual_seed(0)
+    hf = save_random(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{**GEMMA3, **overrides})),
+                     tmp_path / "hf")
+    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
+    m = load_config(tmp_path / "ours" / "config.yaml").model
+    assert (m.post_norms, m.activation, m.sliding_window, m.local_rope_theta) == (True, "geglu", 6, 1e4)
+    assert np.abs(our_logits(tmp_path / "ours") - hf_logits(hf)).max() <= 1e-4
+
+
+def test_from_hf_then_to_hf_gives_identical_gemma3_tensors(tmp_path):
+    torch.manual_seed(0)
+    save_random(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA3)), tmp_path / "hf",
+                torch.bfloat16)
+    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
+    convert("to-hf", tmp_path / "ours" / "checkpoints", tmp_path / "back", "--dtype", "bfloat16")
+    original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    assert all(back[k].dtype == original[k].dtype and torch.equal(back[k], original[k]) for k in original)
+    before, after = (transformers.AutoConfig.from_pretrained(tmp_path / d) for d in ("hf", "back"))
+    assert type(after) is transformers.Gemma3TextConfig
+    keys = [*GEMMA3, "tie_word_embeddings", "final_logit_softcapping", "dtype"]
+    assert {k: getattr(after, k) for k in keys} == {k: getattr(before, k) for k in keys}

@@ -75,15 +75,19 @@ def test_fewer_kv_heads_than_tensor_ranks_match_single_device(kv_heads, layout, 
 # What today's open families switch on, as config choices of the one model (each imported and checked against
 # transformers in the test_convert* files): Llama 3 RoPE scaling past its original context, Qwen3's QK-norm and
 # explicit head dim, tied embeddings, GQA, sliding windows in every layer (Mistral) or interleaved with full layers
-# and their own RoPE base (Qwen2, Gemma 3), and Qwen3-MoE's dense layers among unnormalised top-k experts.
+# and their own RoPE base (Gemma 3, with its post-norms, 1 + weight norms, GeGLU, scaled embeddings, softmax scale,
+# logit soft-capping and a single KV head), and Qwen3-MoE's dense layers among unnormalised top-k experts.
 FAMILIES = {
     "llama3-qwen3-window": ["model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, "
                             "high_freq_factor: 4.0, original_max_position_embeddings: 16}", "model.rope_theta=500000",
                             "model.qk_norm=true", "model.head_dim=48", "model.num_kv_heads=2",
                             "model.tie_embeddings=true", "model.sliding_window=16", "model.num_layers=2"],
-    "interleaved-windows": ["model.sliding_window=8", "model.local_rope_theta=1000",
-                            "model.layer_types=[sliding_attention, full_attention, sliding_attention]",
-                            "model.num_layers=3", "model.rope_scaling={rope_type: linear, factor: 2.0}"],
+    "gemma3": ["model.sliding_window=8", "model.local_rope_theta=1000",
+               "model.layer_types=[sliding_attention, full_attention, sliding_attention]", "model.num_layers=3",
+               "model.rope_scaling={rope_type: linear, factor: 2.0}", "model.post_norms=true",
+               "model.norm_scale_offset=1.0", "model.activation=geglu", "model.scale_embeddings=true",
+               "model.attention_scale=0.2", "model.final_logit_softcap=30.0", "model.qk_norm=true",
+               "model.num_kv_heads=1", "model.tie_embeddings=true"],
     "qwen3-moe": ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_size=64",
                   "model.moe.normalize_weights=false", "model.moe.dense_layers=[1]", "model.num_layers=3",
                   "model.qk_norm=true"],
@@ -93,7 +97,7 @@ FAMILY_LAYOUTS = [
                              "parallel.sequence_parallel=true"]),
     ("llama3-qwen3-window", ["parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
                              "parallel.pipeline_schedule=zb1"]),
-    ("interleaved-windows", ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"]),
+    ("gemma3", ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"]),
     ("qwen3-moe", ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"]),
 ]
 

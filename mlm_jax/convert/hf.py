@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from mlm_jax.config import Config, ModelConfig
 from mlm_jax.validation import check_config
-from mlm_jax.convert import ConvertError, llama, mixtral, qwen3_moe, store
+from mlm_jax.convert import ConvertError, gemma3, llama, mixtral, qwen3_moe, store
 from mlm_jax.train.state import model_spec
 
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
@@ -28,7 +28,9 @@ EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloa
 
 def _family(m: ModelConfig):
     """The module that names and lays out `m`'s tensors: for a mixture of experts Qwen3-MoE (QK-norm) or
-    Mixtral, else the Llama family (Llama, Qwen2, Qwen3)."""
+    Mixtral, Gemma 3 for post-norms, else the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
+    if m.post_norms:
+        return gemma3
     if m.moe.enabled:
         return qwen3_moe if m.qk_norm else mixtral
     return llama

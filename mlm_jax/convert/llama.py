@@ -20,7 +20,7 @@ from mlm_jax.config import ModelConfig, RopeScalingConfig
 from mlm_jax.convert import ConvertError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+OTHER_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 CARRIED = ("bos_token_id", "eos_token_id", "max_position_embeddings")  # kept in the checkpoint for the way back
 IGNORED_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old checkpoints saved; recomputed by every loader
 
@@ -46,26 +46,27 @@ class Entry(NamedTuple):
         return self.name.format(**dict(zip("ij", (self.layers[index[0]], *index[1:]) if index else ())))
 
 
-def _layer(path: str, name: str, *rest) -> Entry:
+def per_layer(path: str, name: str, *rest) -> Entry:
+    """The entry of a `blocks/...` parameter, one HF tensor per layer."""
     return Entry(("blocks", *path.split("/")), f"model.layers.{{i}}.{name}", *rest)
 
 
 ENTRIES = (
     Entry(("embed", "embedding"), "model.embed_tokens.weight"),
-    _layer("attn_norm/scale", "input_layernorm.weight"),
-    _layer("attn/q/kernel", "self_attn.q_proj.weight", "linear"),
-    _layer("attn/k/kernel", "self_attn.k_proj.weight", "linear"),
-    _layer("attn/v/kernel", "self_attn.v_proj.weight", "linear"),
-    _layer("attn/q/bias", "self_attn.q_proj.bias", "flat"),
-    _layer("attn/k/bias", "self_attn.k_proj.bias", "flat"),
-    _layer("attn/v/bias", "self_attn.v_proj.bias", "flat"),
-    _layer("attn/o/kernel", "self_attn.o_proj.weight", "linear", 2),
-    _layer("attn/q_norm/scale", "self_attn.q_norm.weight"),
-    _layer("attn/k_norm/scale", "self_attn.k_norm.weight"),
-    _layer("mlp_norm/scale", "post_attention_layernorm.weight"),
-    _layer("mlp/gate/kernel", "mlp.gate_proj.weight", "linear"),
-    _layer("mlp/up/kernel", "mlp.up_proj.weight", "linear"),
-    _layer("mlp/down/kernel", "mlp.down_proj.weight", "linear"),
+    per_layer("attn_norm/scale", "input_layernorm.weight"),
+    per_layer("attn/q/kernel", "self_attn.q_proj.weight", "linear"),
+    per_layer("attn/k/kernel", "self_attn.k_proj.weight", "linear"),
+    per_layer("attn/v/kernel", "self_attn.v_proj.weight", "linear"),
+    per_layer("attn/q/bias", "self_attn.q_proj.bias", "flat"),
+    per_layer("attn/k/bias", "self_attn.k_proj.bias", "flat"),
+    per_layer("attn/v/bias", "self_attn.v_proj.bias", "flat"),
+    per_layer("attn/o/kernel", "self_attn.o_proj.weight", "linear", 2),
+    per_layer("attn/q_norm/scale", "self_attn.q_norm.weight"),
+    per_layer("attn/k_norm/scale", "self_attn.k_norm.weight"),
+    per_layer("mlp_norm/scale", "post_attention_layernorm.weight"),
+    per_layer("mlp/gate/kernel", "mlp.gate_proj.weight", "linear"),
+    per_layer("mlp/up/kernel", "mlp.up_proj.weight", "linear"),
+    per_layer("mlp/down/kernel", "mlp.down_proj.weight", "linear"),
     Entry(("final_norm", "scale"), "model.norm.weight"),
     Entry(("head", "kernel"), "lm_head.weight", "linear"),
 )
@@ -137,12 +138,13 @@ def _leaves(node: dict, prefix: tuple[str, ...] = ()):
 def model_config(hf: dict) -> ModelConfig:
     """Our model section for an HF `config.json`; anything we would compute differently is refused."""
     arch = (hf.get("architectures") or [None])[0]
-    if arch in MOE_ARCHITECTURES:  # their attention is one of ours, with a mixture-of-experts FFN
-        from mlm_jax.convert import mixtral, qwen3_moe  # they build on this module
-        return {"MixtralForCausalLM": mixtral, "Qwen3MoeForCausalLM": qwen3_moe}[arch].model_config(hf)
+    if arch in OTHER_ARCHITECTURES:  # built on this module
+        from mlm_jax.convert import gemma3, mixtral, qwen3_moe
+        return {"MixtralForCausalLM": mixtral, "Qwen3MoeForCausalLM": qwen3_moe,
+                "Gemma3ForCausalLM": gemma3}[arch].model_config(hf)
     if arch not in ARCHITECTURES:
         raise ConvertError(f"architecture {arch!r} is not supported "
-                           f"(expected one of {', '.join(ARCHITECTURES + MOE_ARCHITECTURES)})")
+                           f"(expected one of {', '.join(ARCHITECTURES + OTHER_ARCHITECTURES)})")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if hf.get(k) is None]
     if missing:
@@ -249,10 +251,16 @@ def hf_config(m: ModelConfig, dtype: str, carried: dict) -> dict:
     LlamaForCausalLM."""
     for unsupported, what in ((m.norm != "rmsnorm", f"model.norm={m.norm}"),
                               (m.activation != "swiglu", f"model.activation={m.activation}"),
-                              (m.qk_norm and m.qkv_bias, "model.qk_norm=true with model.qkv_bias=true")):
+                              (m.qk_norm and m.qkv_bias, "model.qk_norm=true with model.qkv_bias=true"),
+                              (m.norm_scale_offset != 0, f"model.norm_scale_offset={m.norm_scale_offset}"),
+                              (m.scale_embeddings, "model.scale_embeddings=true"),
+                              (m.attention_scale is not None, f"model.attention_scale={m.attention_scale}"),
+                              (m.final_logit_softcap is not None, f"model.final_logit_softcap={m.final_logit_softcap}"),
+                              (m.local_rope_theta is not None, f"model.local_rope_theta={m.local_rope_theta}"),
+                              (m.partial_rotary_factor != 1, f"model.partial_rotary_factor={m.partial_rotary_factor}")):
         if unsupported:
-            raise ConvertError(f"{what} cannot be exported (Llama, Qwen2 and Qwen3 use RMSNorm, SwiGLU, and either "
-                               f"q/k/v biases (Qwen2) or QK-norm (Qwen3))")
+            raise ConvertError(f"{what} cannot be exported (Llama, Mistral, Qwen2 and Qwen3 use RMSNorm, SwiGLU, "
+                               f"whole-head RoPE and either q/k/v biases (Qwen2) or QK-norm (Qwen3))")
     arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
     if arch == "LlamaForCausalLM" and m.sliding_window is not None:  # Mistral is Llama with a window
         arch = "MistralForCausalLM"

@@ -1,6 +1,7 @@
 """Causal self-attention with GQA/MQA, RoPE, optional QK-norm and sliding windows; one kernel entry point, `attend`."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -26,6 +27,8 @@ class AttentionConfig:
     impl: str  # auto | cudnn | xla | te
     window: int | None = None  # sliding-window layers: each query sees itself and the `window - 1` before it
     local_rope: RopeConfig | None = None  # RoPE of the sliding-window layers (Gemma 3's own base); None = `rope`
+    scale: float | None = None  # softmax scale; None = 1 / sqrt(head_dim)
+    norm_offset: float = 0.0  # of the QK-norms (`Norm`)
 
 
 def kernel_for(impl: str, dtype, platform: str | None = None) -> str:
@@ -85,7 +88,7 @@ class Attention(nnx.Module):
         self.o = Linear("bsnh,nhd->bsd", (c.num_heads, c.head_dim, c.dim), (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
                         std=out_std, **kw)
         if c.qk_norm:
-            nkw = dict(kind="rmsnorm", eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype)
+            nkw = dict(kind="rmsnorm", eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype, offset=c.norm_offset)
             self.q_norm, self.k_norm = Norm(c.head_dim, **nkw), Norm(c.head_dim, **nkw)
 
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> jax.Array:
@@ -98,6 +101,8 @@ class Attention(nnx.Module):
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
         q_BSNH = apply_rope(q_BSNH, positions_BS, rope)
         k_BSKH = apply_rope(k_BSKH, positions_BS, rope)
+        if self.c.scale is not None:  # every kernel divides by sqrt(head_dim)
+            q_BSNH = q_BSNH * jnp.asarray(self.c.scale * math.sqrt(self.c.head_dim), q_BSNH.dtype)
         out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl, self.c.window if local else None)
         out_BSNH = ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
         return self.o(out_BSNH)

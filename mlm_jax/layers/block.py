@@ -1,4 +1,5 @@
-"""Pre-norm decoder block: x + attn(norm(x)), then x + ffn(norm(x)); the FFN is dense (`mlp`) or experts (`moe`)."""
+"""Pre-norm decoder block: x + attn(norm(x)), then x + ffn(norm(x)), optionally with norms on the sublayer outputs
+too (x + norm(attn(norm(x))), Gemma); the FFN is dense (`mlp`) or experts (`moe`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,16 +28,20 @@ class BlockConfig:
     out_std: float  # output projections are scaled down with depth (GPT-2 / Megatron init)
     precision: str = "bf16"  # of the block's matmuls (the output head stays in `dtype`)
     moe: MoELayerConfig | None = None  # experts instead of the dense FFN
+    post_norms: bool = False  # norms on the attention and FFN outputs too (Gemma 2, 3)
+    norm_offset: float = 0.0  # `Norm`'s scale offset
 
 
 class Block(nnx.Module):
     def __init__(self, c: BlockConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        nkw = dict(kind=c.norm, eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        nkw = dict(kind=c.norm, eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype, offset=c.norm_offset)
         kw = dict(std=c.init_std, out_std=c.out_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                   precision=c.precision)
         self.attn_norm = Norm(c.attention.dim, **nkw)
         self.attn = Attention(c.attention, **kw)
         self.mlp_norm = Norm(c.attention.dim, **nkw)
+        if c.post_norms:
+            self.attn_post_norm, self.mlp_post_norm = Norm(c.attention.dim, **nkw), Norm(c.attention.dim, **nkw)
         if c.moe is None:
             self.mlp = MLP(c.attention.dim, c.ffn_size, activation=c.activation, **kw)
         else:
@@ -47,10 +52,14 @@ class Block(nnx.Module):
         sliding-window layer."""
         with jax.named_scope("attention"):  # scopes name the kernels in profiles and HLO dumps
             h_BSD = ax.constrain(self.attn_norm(x_BSD), GATHERED)
-            x_BSD = ax.constrain(x_BSD + self.attn(h_BSD, positions_BS, local), RESIDUAL)
+            x_BSD = ax.constrain(x_BSD + self.post(self.attn(h_BSD, positions_BS, local), "attn"), RESIDUAL)
         with jax.named_scope("mlp"):
             h_BSD = ax.constrain(self.mlp_norm(x_BSD), GATHERED)
-            if hasattr(self, "mlp"):
-                return ax.constrain(x_BSD + self.mlp(h_BSD), RESIDUAL), {}
-            y_BSD, stats = self.moe(h_BSD)
-            return ax.constrain(x_BSD + y_BSD, RESIDUAL), stats
+            y_BSD, stats = (self.mlp(h_BSD), {}) if hasattr(self, "mlp") else self.moe(h_BSD)
+            return ax.constrain(x_BSD + self.post(y_BSD, "mlp"), RESIDUAL), stats
+
+    def post(self, y_BSD: jax.Array, part: str) -> jax.Array:
+        """A sublayer's output, through its post-norm if the block has them."""
+        if not hasattr(self, f"{part}_post_norm"):
+            return y_BSD
+        return getattr(self, f"{part}_post_norm")(ax.constrain(y_BSD, RESIDUAL))

@@ -10,8 +10,9 @@ from mlm_jax.layers.linear import param
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab_size: int, dim: int, *, std: float, dtype, param_dtype, rngs: nnx.Rngs):
-        self.dtype = dtype
+    def __init__(self, vocab_size: int, dim: int, *, std: float, dtype, param_dtype, rngs: nnx.Rngs,
+                 scale: float = 1.0):
+        self.dtype, self.scale = dtype, scale  # embeddings are multiplied by `scale` (Gemma: sqrt(dim))
         self.embedding = param(std * jax.random.normal(rngs.params(), (vocab_size, dim), param_dtype),
                                (ax.VOCAB, ax.EMBED))
 
@@ -20,7 +21,8 @@ class Embed(nnx.Module):
         # the token ids between devices (collective permutes) instead of gathering the table once.
         # Gathered in the parameter dtype, so repeated tokens' gradients add up in fp32.
         table_VD = ax.constrain(self.embedding[...], (None, None))
-        x_BSD = jnp.take(table_VD, tokens_BS, axis=0).astype(self.dtype)
+        x_BSD = jnp.take(table_VD, tokens_BS, axis=0)
+        x_BSD = (x_BSD * jnp.asarray(self.scale, x_BSD.dtype) if self.scale != 1.0 else x_BSD).astype(self.dtype)
         return ax.constrain(x_BSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
 
     def attend(self, x_BSD: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Feed-forward block: SwiGLU (Llama) or GeLU (GPT-2); Megatron column (in) / row (out) split over `mlp`."""
+"""Feed-forward block: SwiGLU (Llama), GeGLU with the tanh GELU (Gemma) or GeLU (GPT-2); Megatron column (in) /
+row (out) split over `mlp`."""
 from __future__ import annotations
 
 import jax
@@ -14,7 +15,7 @@ class MLP(nnx.Module):
         self.activation = activation
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision)
         self.up = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)
-        if activation == "swiglu":
+        if activation in ("swiglu", "geglu"):
             self.gate = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)
         self.down = Linear("bsf,fd->bsd", (ffn, dim), (ax.MLP, ax.EMBED), std=out_std, **kw)
 
@@ -22,6 +23,8 @@ class MLP(nnx.Module):
         h_BSF = self.up(x_BSD)
         if self.activation == "swiglu":
             h_BSF = jax.nn.silu(self.gate(x_BSD)) * h_BSF
+        elif self.activation == "geglu":
+            h_BSF = jax.nn.gelu(self.gate(x_BSD), approximate=True) * h_BSF
         else:
             h_BSF = jax.nn.gelu(h_BSF)
         h_BSF = ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))

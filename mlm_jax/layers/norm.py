@@ -10,11 +10,12 @@ from mlm_jax.layers.linear import param
 
 
 class Norm(nnx.Module):
-    """`kind` is 'rmsnorm' (scale only, Llama) or 'layernorm' (scale and bias, GPT-2)."""
+    """`kind` is 'rmsnorm' (scale only, Llama) or 'layernorm' (scale and bias, GPT-2). The normalised values are
+    multiplied by `offset + scale`, the scale starting at `1 - offset` (Gemma stores scales around 0, offset 1)."""
 
-    def __init__(self, dim: int, *, kind: str, eps: float, dtype, param_dtype):
-        self.kind, self.eps, self.dtype = kind, eps, dtype
-        self.scale = param(jnp.ones((dim,), param_dtype), (ax.NORM,))
+    def __init__(self, dim: int, *, kind: str, eps: float, dtype, param_dtype, offset: float = 0.0):
+        self.kind, self.eps, self.dtype, self.offset = kind, eps, dtype, offset
+        self.scale = param(jnp.full((dim,), 1.0 - offset, param_dtype), (ax.NORM,))
         if kind == "layernorm":
             self.bias = param(jnp.zeros((dim,), param_dtype), (ax.NORM,))
 
@@ -23,7 +24,7 @@ class Norm(nnx.Module):
         if self.kind == "layernorm":
             x32 = x32 - x32.mean(-1, keepdims=True)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
-        y = y * self.scale[...].astype(jnp.float32)
+        y = y * (self.offset + self.scale[...].astype(jnp.float32))
         if self.kind == "layernorm":
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)

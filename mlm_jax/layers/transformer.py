@@ -37,11 +37,13 @@ def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
     attention = AttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads,
                                 head_dim=m.dim_per_head, rope=rope_config(m), qk_norm=m.qk_norm,
                                 qkv_bias=m.qkv_bias, norm_eps=m.norm_eps, impl=m.attention_impl,
-                                window=m.sliding_window, local_rope=local_rope)
+                                window=m.sliding_window, local_rope=local_rope, scale=m.attention_scale,
+                                norm_offset=m.norm_scale_offset)
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
                        out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision,
-                       moe=MoELayerConfig(m.hidden_size, m.expert_ffn, m.moe) if moe else None)
+                       moe=MoELayerConfig(m.hidden_size, m.expert_ffn, m.moe) if moe else None,
+                       post_norms=m.post_norms, norm_offset=m.norm_scale_offset)
 
 
 def rope_config(m: ModelConfig) -> RopeConfig:
@@ -77,7 +79,8 @@ class Transformer(nnx.Module):
         dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
         bc = block_config(m)
         self.embed = Embed(m.vocab_size, m.hidden_size, std=m.init_std, dtype=dtype, param_dtype=param_dtype,
-                           rngs=rngs)
+                           rngs=rngs, scale=math.sqrt(m.hidden_size) if m.scale_embeddings else 1.0)
+        self.softcap = m.final_logit_softcap
 
         self.runs = layer_runs(m)
 
@@ -92,7 +95,8 @@ class Transformer(nnx.Module):
         self.blocks = stacked(block_config(m, moe=m.moe.enabled), m.num_layers - dense_layers)
         if dense_layers:
             self.dense_blocks = stacked(bc, dense_layers)
-        self.final_norm = Norm(m.hidden_size, kind=m.norm, eps=m.norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.final_norm = Norm(m.hidden_size, kind=m.norm, eps=m.norm_eps, dtype=dtype, param_dtype=param_dtype,
+                               offset=m.norm_scale_offset)
         if not m.tie_embeddings:
             self.head = Linear("bsd,dv->bsv", (m.hidden_size, m.vocab_size), (ax.EMBED, ax.VOCAB),
                                std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -166,6 +170,9 @@ class Transformer(nnx.Module):
         with jax.named_scope("head"):
             x_BSD = ax.constrain(self.final_norm(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
             logits_BSV = self.embed.attend(x_BSD) if not hasattr(self, "head") else self.head(x_BSD)
+            if self.softcap is not None:
+                logits_BSV = (self.softcap * jnp.tanh(logits_BSV.astype(jnp.float32) / self.softcap)).astype(
+                    logits_BSV.dtype)
             return ax.constrain(logits_BSV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
 
 
