@@ -18,7 +18,8 @@ def peak_flops(device_kind: str) -> float | None:
 
 
 def flops_per_token(m: ModelConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding parameters + 6 x L x S x D for causal attention.
+    """Training FLOPs per token: 6 x non-embedding parameters, plus 12 x N x H per key a query sees in each layer
+    (S / 2 on average under the causal mask, about w (1 - w / 2S) within a sliding window w).
 
     In an MoE model only the `top_k` experts a token visits count (the active parameters)."""
     non_embedding = num_params - m.vocab_size * m.hidden_size
@@ -26,7 +27,12 @@ def flops_per_token(m: ModelConfig, num_params: int, seq_len: int) -> float:
         moe_layers = sum(m.moe.is_moe_layer(i) for i in range(m.num_layers))
         non_embedding -= moe_layers * 3 * m.hidden_size * m.expert_ffn * (m.moe.num_experts - m.moe.top_k)
     head = 6 * m.vocab_size * m.hidden_size if m.tie_embeddings else 0
-    return 6 * non_embedding + head + 6 * m.num_layers * seq_len * m.hidden_size
+    def keys(i: int) -> float:
+        w = min(m.sliding_window, seq_len) if m.is_local(i) else seq_len
+        return w * (1 - w / (2 * seq_len))
+
+    attention = 12 * m.num_heads * m.dim_per_head * sum(keys(i) for i in range(m.num_layers))
+    return 6 * non_embedding + head + attention
 
 
 def throughput(tokens: int, seconds: float, flops_token: float, num_devices: int, peak: float | None) -> dict:
