@@ -82,8 +82,8 @@ class MoEConfig:
         return self.num_experts > 0
 
     def is_moe_layer(self, i: int) -> bool:
-        return (self.enabled and i >= self.first_dense_layers and (i - self.first_dense_layers) % self.every_n_layers == 0
-                and i not in (self.dense_layers or ()))
+        periodic = i >= self.first_dense_layers and (i - self.first_dense_layers) % self.every_n_layers == 0
+        return self.enabled and periodic and i not in (self.dense_layers or ())
 
 
 @dataclass(frozen=True)
