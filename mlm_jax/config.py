@@ -74,6 +74,11 @@ class MoEConfig:
     first_dense_layers: int = non_negative(0)
     dense_layers: list | None = None  # further layers that stay dense (Qwen3-MoE's mlp_only_layers)
     normalize_weights: bool = True
+    # DeepSeek-V3's grouped top-k: experts in `num_groups` groups, a token's top_k taken from the `top_groups`
+    # groups whose two best (biased) scores sum highest; the weights then times `routed_scaling_factor`
+    num_groups: int = positive(1)
+    top_groups: int = positive(1)
+    routed_scaling_factor: float = positive(1.0)
     # grouped matmul of dropless experts: ragged_dot, Hopper's Mosaic-GPU kernels, or mgpu where they run
     impl: str = choice("auto", "ragged", "mgpu")
 
@@ -84,6 +89,25 @@ class MoEConfig:
     def is_moe_layer(self, i: int) -> bool:
         periodic = i >= self.first_dense_layers and (i - self.first_dense_layers) % self.every_n_layers == 0
         return self.enabled and periodic and i not in (self.dense_layers or ())
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3) instead of the Q/K/V projections when `kv_lora_rank` > 0:
+    keys and values from a normed latent of `kv_lora_rank`, queries from one of `q_lora_rank` (null: a direct
+    projection), each head's query/key `qk_nope_head_dim` dims without position plus `qk_rope_head_dim` rotated
+    ones (the key's shared by every head), values of `v_head_dim`."""
+
+    kv_lora_rank: int = non_negative(0)
+    q_lora_rank: int | None = positive(None)
+    qk_nope_head_dim: int = positive(128)
+    qk_rope_head_dim: int = positive(64)
+    v_head_dim: int = positive(128)
+    latent_norm_eps: float = positive(1e-6)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
 
 
 @dataclass(frozen=True)
@@ -146,6 +170,7 @@ class ModelConfig:
     # matmuls in `dtype` (bf16), XLA fp8 with current scaling, or Transformer Engine fp8
     precision: str = choice("bf16", "fp8", "fp8_te")
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
 
     @property
     def expert_ffn(self) -> int:

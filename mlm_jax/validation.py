@@ -72,6 +72,7 @@ def check_config(cfg: Config) -> None:
                           f"(model.partial_rotary_factor={m.partial_rotary_factor} rotates {m.rotary_dim} dims)")
     _check_rope_scaling(m.rope_scaling)
     _check_layer_types(m)
+    _check_mla(m)
     _check_moe(m.moe, m.num_layers)
     p = cfg.parallel
     degrees = {k: getattr(p, k) for k in DEGREE_KEYS}
@@ -98,6 +99,24 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"data.paths={d.paths}: expected a list of prepared directories")
     from mlm_jax.parallel.rules import make_rules  # the table's own parser names the bad entry
     make_rules(p.rules, p.sequence_parallel)
+
+
+def _check_mla(m) -> None:
+    a = m.mla
+    if not a.enabled:
+        return
+    if a.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim}: rotary embeddings need an even count")
+    if a.v_head_dim > a.qk_nope_head_dim + a.qk_rope_head_dim:
+        raise ConfigError(f"model.mla.v_head_dim={a.v_head_dim} exceeds the query/key head dim "
+                          f"{a.qk_nope_head_dim + a.qk_rope_head_dim} (qk_nope_head_dim + qk_rope_head_dim)")
+    for on, what in ((m.qk_norm, "model.qk_norm"), (m.qkv_bias, "model.qkv_bias"),
+                     (m.sliding_window is not None, "model.sliding_window"),
+                     (m.kv_heads != m.num_heads, "model.num_kv_heads"), (m.head_dim is not None, "model.head_dim"),
+                     (m.partial_rotary_factor != 1, "model.partial_rotary_factor")):
+        if on:
+            raise ConfigError(f"{what} does not apply to latent attention (model.mla.kv_lora_rank="
+                              f"{a.kv_lora_rank}); leave it unset")
 
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -141,6 +160,13 @@ def _check_moe(moe: MoEConfig, num_layers: int) -> None:
         listed = f" and model.moe.dense_layers={moe.dense_layers}" if moe.dense_layers else ""
         raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers}{listed} leave no MoE layer among "
                           f"model.num_layers={num_layers}")
+    if moe.num_groups > 1 and (moe.num_experts % moe.num_groups or moe.num_experts // moe.num_groups < 2):
+        raise ConfigError(f"model.moe.num_groups={moe.num_groups} must split model.moe.num_experts={moe.num_experts} "
+                          f"into groups of at least 2 experts")
+    if moe.top_groups > moe.num_groups or (moe.num_groups > 1 and moe.top_k > moe.top_groups * (
+            moe.num_experts // moe.num_groups)):
+        raise ConfigError(f"model.moe.top_groups={moe.top_groups} of model.moe.num_groups={moe.num_groups} leaves "
+                          f"fewer experts than model.moe.top_k={moe.top_k}, or more groups than there are")
     if moe.router_bias_update and moe.router != "sigmoid":
         raise ConfigError(f"model.moe.router_bias_update={moe.router_bias_update} needs model.moe.router=sigmoid "
                           f"(the bias only steers the sigmoid router's choice)")

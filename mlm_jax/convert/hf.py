@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from mlm_jax.config import Config, ModelConfig
 from mlm_jax.validation import check_config
-from mlm_jax.convert import ConvertError, gemma3, llama, mixtral, qwen3_moe, store
+from mlm_jax.convert import ConvertError, deepseek_v3, gemma3, llama, mixtral, qwen3_moe, store
 from mlm_jax.train.state import model_spec
 
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
@@ -28,7 +28,9 @@ EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloa
 
 def _family(m: ModelConfig):
     """The module that names and lays out `m`'s tensors: for a mixture of experts Qwen3-MoE (QK-norm) or
-    Mixtral, Gemma 3 for post-norms, else the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
+    Mixtral, DeepSeek-V3 for latent attention, Gemma 3 for post-norms, else the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
+    if m.mla.enabled:
+        return deepseek_v3
     if m.post_norms:
         return gemma3
     if m.moe.enabled:
@@ -74,7 +76,9 @@ def from_hf(src: str, dst: str) -> Config:
             node[e.path[-1]] = value
     if m.tie_embeddings:
         files.pop("lm_head.weight", None)  # some tied checkpoints store the head as well; it is the embedding
-    leftover = [n for n in files if not n.endswith(llama.IGNORED_SUFFIX)]
+    family = _family(m)
+    leftover = [n for n in files if not n.endswith(llama.IGNORED_SUFFIX)
+                and not (hasattr(family, "ignored") and family.ignored(m, n))]
     if leftover:
         raise ConvertError(f"{src}: tensor {leftover[0]} has no mlm_jax counterpart"
                            f"{f' (and {len(leftover) - 1} more)' if len(leftover) > 1 else ''}")

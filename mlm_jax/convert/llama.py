@@ -20,7 +20,7 @@ from mlm_jax.config import ModelConfig, RopeScalingConfig
 from mlm_jax.convert import ConvertError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-OTHER_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+OTHER_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "DeepseekV3ForCausalLM")
 CARRIED = ("bos_token_id", "eos_token_id", "max_position_embeddings")  # kept in the checkpoint for the way back
 IGNORED_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old checkpoints saved; recomputed by every loader
 
@@ -31,6 +31,7 @@ class Entry(NamedTuple):
     kind: str = "same"  # same: one layout; flat: HF flattens our dims (biases); linear: HF's (out, in) weight
     in_dims: int = 1  # linear: how many leading dims of our kernel are its input
     layers: tuple[int, ...] = ()  # the HF layer of each index of our stack (`layout` fills it in)
+    rope_tail: int = 0  # the last dims of each output head are RoPE pairs HF interleaves (x0 x1 x2 x3 ...)
 
     @property
     def layered(self) -> bool:
@@ -79,11 +80,20 @@ def hf_shape(e: Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (math.prod(shape),) if e.kind == "flat" else tuple(shape)
 
 
+def _deinterleaved(n: int, tail: int) -> np.ndarray:
+    """Indices taking a last dim of n whose final `tail` entries are interleaved pairs (x0 x1 x2 x3 ...) to the
+    rotate-half layout (x0 x2 ... x1 x3 ...) our RoPE pairs as (i, i + tail/2)."""
+    return np.concatenate([np.arange(n - tail), n - tail + np.arange(tail).reshape(-1, 2).T.reshape(-1)])
+
+
 def to_ours(e: Entry, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    return x.T.reshape(shape) if e.kind == "linear" else x.reshape(shape)
+    x = x.T.reshape(shape) if e.kind == "linear" else x.reshape(shape)
+    return x[..., _deinterleaved(shape[-1], e.rope_tail)] if e.rope_tail else x
 
 
 def to_hf(e: Entry, x: np.ndarray) -> np.ndarray:
+    if e.rope_tail:
+        x = x[..., np.argsort(_deinterleaved(x.shape[-1], e.rope_tail))]
     if e.kind == "linear":
         return x.reshape(math.prod(x.shape[:e.in_dims]), -1).T
     return x.reshape(-1) if e.kind == "flat" else x
@@ -139,9 +149,9 @@ def model_config(hf: dict) -> ModelConfig:
     """Our model section for an HF `config.json`; anything we would compute differently is refused."""
     arch = (hf.get("architectures") or [None])[0]
     if arch in OTHER_ARCHITECTURES:  # built on this module
-        from mlm_jax.convert import gemma3, mixtral, qwen3_moe
-        return {"MixtralForCausalLM": mixtral, "Qwen3MoeForCausalLM": qwen3_moe,
-                "Gemma3ForCausalLM": gemma3}[arch].model_config(hf)
+        from mlm_jax.convert import deepseek_v3, gemma3, mixtral, qwen3_moe
+        return {"MixtralForCausalLM": mixtral, "Qwen3MoeForCausalLM": qwen3_moe, "Gemma3ForCausalLM": gemma3,
+                "DeepseekV3ForCausalLM": deepseek_v3}[arch].model_config(hf)
     if arch not in ARCHITECTURES:
         raise ConvertError(f"architecture {arch!r} is not supported "
                            f"(expected one of {', '.join(ARCHITECTURES + OTHER_ARCHITECTURES)})")

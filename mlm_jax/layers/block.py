@@ -9,6 +9,7 @@ from flax import nnx
 
 from mlm_jax.layers import axes as ax
 from mlm_jax.layers.attention import Attention, AttentionConfig
+from mlm_jax.layers.mla import LatentAttention, LatentAttentionConfig
 from mlm_jax.layers.mlp import MLP
 from mlm_jax.layers.moe import MoE, MoELayerConfig
 from mlm_jax.layers.norm import Norm
@@ -19,7 +20,7 @@ GATHERED = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)  # input of the tensor-paral
 
 @dataclass(frozen=True)
 class BlockConfig:
-    attention: AttentionConfig
+    attention: AttentionConfig | LatentAttentionConfig  # the latter: multi-head latent attention (`layers.mla`)
     ffn_size: int
     activation: str
     norm: str
@@ -38,7 +39,8 @@ class Block(nnx.Module):
         kw = dict(std=c.init_std, out_std=c.out_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                   precision=c.precision)
         self.attn_norm = Norm(c.attention.dim, **nkw)
-        self.attn = Attention(c.attention, **kw)
+        latent = isinstance(c.attention, LatentAttentionConfig)
+        self.attn = (LatentAttention if latent else Attention)(c.attention, **kw)
         self.mlp_norm = Norm(c.attention.dim, **nkw)
         if c.post_norms:
             self.attn_post_norm, self.mlp_post_norm = Norm(c.attention.dim, **nkw), Norm(c.attention.dim, **nkw)

@@ -10,7 +10,8 @@ statistic whatever the layout: XLA turns the means into all-reduces. The experts
   `normalize_weights` is off).
 - sigmoid router (DeepSeek-V3): sigmoid scores; the top-k are chosen on score + a per-expert `bias` that the
   trainer moves towards balanced load after each step (never by the gradient); weights are the chosen scores,
-  renormalised.
+  renormalised. With `num_groups` > 1 the choice is limited to each token's `top_groups` best expert groups
+  (`grouped`); `routed_scaling_factor` scales the weights.
 - Load-balancing loss (Switch/GShard): E * sum_e f_e * p_e, f_e the fraction of assignments routed to expert e
   (no gradient), p_e the mean routing probability of e. Router z-loss: mean of logsumexp(logits)^2.
 """
@@ -34,6 +35,17 @@ class MoELayerConfig:
     dim: int
     ffn: int  # per expert
     moe: MoEConfig
+
+
+def grouped(choice_BSE: jax.Array, groups: int, top_groups: int) -> jax.Array:
+    """`choice_BSE` with the experts outside each token's `top_groups` best groups at -inf: a group scores the sum
+    of its two best experts (DeepSeek-V3's node-limited routing)."""
+    B, S, E = choice_BSE.shape
+    choice_BSGX = choice_BSE.reshape(B, S, groups, E // groups)
+    group_BSG = jnp.sum(jax.lax.top_k(choice_BSGX, 2)[0], axis=-1)
+    _, best_BST = jax.lax.top_k(group_BSG, top_groups)
+    keep_BSG = jnp.any(jax.nn.one_hot(best_BST, groups, dtype=bool), axis=2)
+    return jnp.where(keep_BSG[..., None], choice_BSGX, -jnp.inf).reshape(B, S, E)
 
 
 class Router(nnx.Module):
@@ -72,15 +84,19 @@ class MoE(nnx.Module):
         E, K = m.num_experts, m.top_k
         logits_BSE = jnp.einsum("bsd,de->bse", x_BSD.astype(jnp.float32), self.router.kernel[...].astype(jnp.float32))
         if m.router == "softmax":
-            probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
-            chosen_BSK, experts_BSK = jax.lax.top_k(probs_BSE, K)
+            scores_BSE = probs_BSE = jax.nn.softmax(logits_BSE, axis=-1)
+            choice_BSE = scores_BSE
         else:
             scores_BSE = jax.nn.sigmoid(logits_BSE)
-            biased_BSE = scores_BSE + jax.lax.stop_gradient(self.router.bias[...].astype(jnp.float32))
-            _, experts_BSK = jax.lax.top_k(biased_BSE, K)
-            chosen_BSK = jnp.take_along_axis(scores_BSE, experts_BSK, axis=-1)
+            choice_BSE = scores_BSE + jax.lax.stop_gradient(self.router.bias[...].astype(jnp.float32))
             probs_BSE = scores_BSE / jnp.sum(scores_BSE, axis=-1, keepdims=True)
+        if m.num_groups > 1:
+            choice_BSE = grouped(choice_BSE, m.num_groups, m.top_groups)
+        _, experts_BSK = jax.lax.top_k(choice_BSE, K)
+        chosen_BSK = jnp.take_along_axis(scores_BSE, experts_BSK, axis=-1)
         weights_BSK = chosen_BSK / jnp.sum(chosen_BSK, axis=-1, keepdims=True) if m.normalize_weights else chosen_BSK
+        if m.routed_scaling_factor != 1:
+            weights_BSK = weights_BSK * m.routed_scaling_factor
         load_E = jnp.mean(jnp.sum(jax.nn.one_hot(experts_BSK, E, dtype=jnp.float32), axis=2), axis=(0, 1)) / K
         stats = {
             "aux_loss": E * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(probs_BSE, axis=(0, 1))),

@@ -8,6 +8,7 @@ contiguous run of each kind (dense or MoE, sliding-window or full attention) at 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -20,6 +21,7 @@ from mlm_jax.layers.attention import AttentionConfig
 from mlm_jax.layers.block import Block, BlockConfig
 from mlm_jax.layers.embed import Embed
 from mlm_jax.layers.linear import Linear
+from mlm_jax.layers.mla import LatentAttentionConfig
 from mlm_jax.layers.moe import MoELayerConfig
 from mlm_jax.layers.norm import Norm
 from mlm_jax.layers.rope import RopeConfig
@@ -39,6 +41,13 @@ def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
                                 qkv_bias=m.qkv_bias, norm_eps=m.norm_eps, impl=m.attention_impl,
                                 window=m.sliding_window, local_rope=local_rope, scale=m.attention_scale,
                                 norm_offset=m.norm_scale_offset)
+    if m.mla.enabled:
+        a = m.mla
+        rope = dataclasses.replace(rope_config(m), rotary_dim=a.qk_rope_head_dim)
+        attention = LatentAttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_rank=a.kv_lora_rank,
+                                          q_rank=a.q_lora_rank, nope_dim=a.qk_nope_head_dim,
+                                          rope_dim=a.qk_rope_head_dim, v_dim=a.v_head_dim, rope=rope,
+                                          norm_eps=a.latent_norm_eps, impl=m.attention_impl, scale=m.attention_scale)
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
                        out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision,

@@ -18,8 +18,8 @@ def peak_flops(device_kind: str) -> float | None:
 
 
 def flops_per_token(m: ModelConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding parameters, plus 12 x N x H per key a query sees in each layer
-    (S / 2 on average under the causal mask, about w (1 - w / 2S) within a sliding window w).
+    """Training FLOPs per token: 6 x non-embedding parameters, plus 6 x N x (H_qk + H_v) per key a query sees in
+    each layer (S / 2 on average under the causal mask, about w (1 - w / 2S) within a sliding window w).
 
     In an MoE model only the `top_k` experts a token visits count (the active parameters)."""
     non_embedding = num_params - m.vocab_size * m.hidden_size
@@ -31,7 +31,10 @@ def flops_per_token(m: ModelConfig, num_params: int, seq_len: int) -> float:
         w = min(m.sliding_window, seq_len) if m.is_local(i) else seq_len
         return w * (1 - w / (2 * seq_len))
 
-    attention = 12 * m.num_heads * m.dim_per_head * sum(keys(i) for i in range(m.num_layers))
+    qk, v = m.dim_per_head, m.dim_per_head
+    if m.mla.enabled:
+        qk, v = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
+    attention = 6 * m.num_heads * (qk + v) * sum(keys(i) for i in range(m.num_layers))
     return 6 * non_embedding + head + attention
 
 
