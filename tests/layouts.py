@@ -1,10 +1,11 @@
 """What the layout tests share: `train_or_refusal` for the sweeps, and for the equivalence tests: train a few steps under a layout and compare them with one device.
 
-At every step, the loss within 1e-5 relative, and the gradient of every parameter leaf within 1e-4 relative
-(||g - g_ref|| / ||g_ref||, so a leaf's gradient sent to another leaf, or errors that cancel in a global norm, fail).
-Each step's reference gradient is taken at the layout's own weights of that step: AdamW's normalised updates turn
-rounding-level gradient differences into visibly different weights within a few steps, so gradients of later
-steps compare the same function only at the same point.
+At every step, the loss the layout's train step logged within 1e-5 relative, and the gradient of every parameter
+leaf within 1e-4 relative (||g - g_ref|| / ||g_ref||, so a leaf's gradient sent to another leaf, or errors that
+cancel in a global norm, fail). Each step's reference loss and gradient are taken at the layout's own weights of
+that step: AdamW's normalised updates turn rounding-level gradient differences into visibly different weights
+within a few steps (and capacity-limited experts then drop other tokens), so later steps compare the same function
+only at the same point.
 """
 from dataclasses import dataclass
 
@@ -43,10 +44,11 @@ def fit(base, overrides, num_devices, tmp_path) -> Run:
 
 def assert_matches(got: Run, ref: Run, steps=3):
     assert len(got.records) == len(ref.records) == len(got.grads) == steps
-    np.testing.assert_allclose([r["loss"] for r in got.records], [r["loss"] for r in ref.records], rtol=1e-5,
-                               err_msg="loss")
     for step, (params, g) in enumerate(zip(got.params, got.grads)):
-        r = leaves(ref.trainer.gradients(params, step)[1])
+        metrics, ref_grads = ref.trainer.gradients(params, step)
+        np.testing.assert_allclose(got.records[step]["loss"], float(metrics["loss"]), rtol=1e-5,
+                                   err_msg=f"step {step + 1}, loss")
+        r = leaves(ref_grads)
         assert g.keys() == r.keys(), (sorted(g.keys() ^ r.keys()), step)
         for path in r:
             assert g[path].shape == r[path].shape, (path, step)
