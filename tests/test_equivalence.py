@@ -106,8 +106,8 @@ FAMILY_LAYOUTS = [
     ("llama3-qwen3-window", ["parallel.stage=2", "parallel.data=2", "parallel.tensor=2",
                              "parallel.pipeline_schedule=zb1"]),
     ("gemma3", ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"]),
-    ("qwen3-moe", ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"]),
-    ("deepseek-v3", ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"]),
+    ("qwen3-moe", ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=2", "parallel.tensor=2"]),
+    ("deepseek-v3", ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=2", "parallel.tensor=2"]),
     ("mla-yarn", ["parallel.stage=2", "parallel.data=2", "parallel.tensor=2"]),
 ]
 
