@@ -43,3 +43,17 @@ def hf_tensors(path):
 
 def convert(*args):
     assert main([str(a) for a in args]) == 0
+
+
+def assert_round_trip(tmp_path, config_type, keys, dtype="bfloat16", *to_hf_args):
+    """`from-hf` then `to-hf` of the folder `tmp_path/hf`: the same tensors (names, dtypes, values), and a config
+    of `config_type` whose `keys` equal the original's."""
+    import transformers
+    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
+    convert("to-hf", tmp_path / "ours" / "checkpoints", tmp_path / "back", "--dtype", dtype, *to_hf_args)
+    original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    assert all(back[k].dtype == original[k].dtype and torch.equal(back[k], original[k]) for k in original)
+    before, after = (transformers.AutoConfig.from_pretrained(tmp_path / d) for d in ("hf", "back"))
+    assert type(after) is config_type
+    assert {k: getattr(after, k, None) for k in keys} == {k: getattr(before, k, None) for k in keys}

@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import TOKENS_BS, VOCAB, convert, hf_logits, hf_tensors, our_logits, save_random  # noqa: E402
+from hf_models import (TOKENS_BS, VOCAB, assert_round_trip, convert, hf_logits, hf_tensors, our_logits,  # noqa: E402
+                       save_random)
 
 from mlm_jax import Trainer, load_config  # noqa: E402
 from mlm_jax.config import Config, ModelConfig  # noqa: E402
@@ -184,12 +185,5 @@ def test_from_hf_then_to_hf_gives_identical_gemma3_tensors(tmp_path):
     torch.manual_seed(0)
     save_random(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA3)), tmp_path / "hf",
                 torch.bfloat16)
-    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
-    convert("to-hf", tmp_path / "ours" / "checkpoints", tmp_path / "back", "--dtype", "bfloat16")
-    original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    assert sorted(back) == sorted(original)
-    assert all(back[k].dtype == original[k].dtype and torch.equal(back[k], original[k]) for k in original)
-    before, after = (transformers.AutoConfig.from_pretrained(tmp_path / d) for d in ("hf", "back"))
-    assert type(after) is transformers.Gemma3TextConfig
-    keys = [*GEMMA3, "tie_word_embeddings", "final_logit_softcapping", "dtype"]
-    assert {k: getattr(after, k) for k in keys} == {k: getattr(before, k) for k in keys}
+    assert_round_trip(tmp_path, transformers.Gemma3TextConfig,
+                      [*GEMMA3, "tie_word_embeddings", "final_logit_softcapping", "dtype"])

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import VOCAB, convert, hf_logits, hf_tensors, our_logits, save_random  # noqa: E402
+from hf_models import VOCAB, assert_round_trip, convert, hf_logits, our_logits, save_random  # noqa: E402
 from mlm_jax import load_config  # noqa: E402
 
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -40,11 +40,4 @@ def test_converted_qwen3_moe_logits_match_transformers(tmp_path, overrides, dens
 
 def test_from_hf_then_to_hf_gives_identical_qwen3_moe_tensors(tmp_path):
     save_hf(tmp_path / "hf", dtype=torch.bfloat16, mlp_only_layers=[0, 3], decoder_sparse_step=1)
-    convert("from-hf", tmp_path / "hf", tmp_path / "ours")
-    convert("to-hf", tmp_path / "ours" / "checkpoints", tmp_path / "back", "--dtype", "bfloat16")
-    original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
-    assert sorted(back) == sorted(original)
-    assert all(back[k].dtype == original[k].dtype and torch.equal(back[k], original[k]) for k in original)
-    before, after = (transformers.AutoConfig.from_pretrained(tmp_path / d) for d in ("hf", "back"))
-    assert type(after) is transformers.Qwen3MoeConfig
-    assert {k: getattr(after, k) for k in SAME_CONFIG} == {k: getattr(before, k) for k in SAME_CONFIG}
+    assert_round_trip(tmp_path, transformers.Qwen3MoeConfig, SAME_CONFIG)

@@ -12,7 +12,7 @@ from layouts import assert_matches, fit
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError, MoEConfig
 from mlm_jax.layers.moe import MoE, MoELayerConfig
-from mlm_jax.train.step import load_imbalance
+from mlm_jax.train.step import load_imbalance, update_router_bias
 from mlm_jax.validation import check_degrees
 
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.ffn_size=64", "model.moe.z_loss_coef=1e-3"]
@@ -203,3 +203,12 @@ def test_deepseek_style_model_with_dense_layers_and_bias_updates_trains(tmp_path
 def test_bad_moe_settings_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_degrees(load_config(None, BASE + overrides), 8 if "expert=3" not in overrides[0] else 3)
+
+
+def test_router_bias_update_keeps_the_bias_dtype():
+    """bf16 parameters: the balancing step (fp32 loads) must not promote the bias, or the next step recompiles."""
+    params = {"blocks": {"moe": {"router": {"bias": jnp.zeros((2, 4), jnp.bfloat16), "kernel": jnp.zeros((2, 3, 4))}}}}
+    load_LE = jnp.array([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    bias = update_router_bias(params, load_LE, 0.01)["blocks"]["moe"]["router"]["bias"]
+    assert bias.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.sign(np.asarray(bias, np.float32)), [[-1, -1, 1, 1], [0, 0, 0, 0]])

@@ -39,7 +39,8 @@ def load_imbalance(load_LE: jax.Array) -> jax.Array:
 def update_router_bias(params, load_LE: jax.Array, rate: float):
     """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower the over-loaded ones."""
     router = params["blocks"]["moe"]["router"]
-    bias = router["bias"] + rate * jnp.sign(jnp.mean(load_LE, axis=-1, keepdims=True) - load_LE)
+    step = rate * jnp.sign(jnp.mean(load_LE, axis=-1, keepdims=True) - load_LE)
+    bias = (router["bias"] + step).astype(router["bias"].dtype)  # bf16 parameters stay bf16
     return {**params, "blocks": {**params["blocks"], "moe": {**params["blocks"]["moe"],
                                                               "router": {**router, "bias": bias}}}}
 
