@@ -27,8 +27,8 @@ EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloa
 
 
 def _family(m: ModelConfig):
-    """The module that names and lays out `m`'s tensors: for a mixture of experts Qwen3-MoE (QK-norm) or
-    Mixtral, DeepSeek-V3 for latent attention, Gemma 3 for post-norms, else the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
+    """The module that names and lays out `m`'s tensors: DeepSeek-V3 for latent attention, Gemma 3 for post-norms,
+    for a mixture of experts Qwen3-MoE (QK-norm) or Mixtral, else the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
     if m.mla.enabled:
         return deepseek_v3
     if m.post_norms:
