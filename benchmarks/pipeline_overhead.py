@@ -36,6 +36,7 @@ def run_variant(args) -> dict:
     """Child: train `--steps` timed steps of one variant ("plain", or "<schedule>:<V>")."""
     import jax
 
+    from mlm_jax.layers.transformer import layer_kinds
     from mlm_jax.parallel.schedule import SCHEDULES
     from mlm_jax.parallel.stages import ChunkLayout
     from mlm_jax.train.loop import Trainer
@@ -53,7 +54,7 @@ def run_variant(args) -> dict:
             kind, virtual = args.variant.split(":")
             schedule = SCHEDULES[kind](1, int(virtual), trainer.accum_steps)
             sizes = _sizes(args.layers, int(virtual), cfg.model.num_layers)
-            trainer._build_steps(schedule, ChunkLayout(sizes, 1, int(virtual)))
+            trainer._build_steps(schedule, ChunkLayout(sizes, 1, int(virtual), layer_kinds(cfg.model)))
             stash = stash_bytes(trainer, schedule)
         trainer.fit(args.warmup)
         times = [r["step_time_s"] for r in trainer.fit(args.steps) if "step_time_s" in r]
@@ -90,15 +91,17 @@ def stash_bytes(trainer, schedule) -> int:
     cfg, layout = trainer.cfg, trainer.chunks
     rows, S, dtype = cfg.train.global_batch_size // trainer.accum_steps, cfg.train.seq_len, jnp.dtype(cfg.model.dtype)
     shapes = trainer.spec.shapes
-    W = layout.width
-    weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct((W, *a.shape[1:]), dtype), shapes["blocks"])
+    slots = layout.chunk_slots
+    weights = {stack: jax.tree.map(lambda a: jax.ShapeDtypeStruct((pool.width, *a.shape[1:]), dtype), shapes[stack])
+               for stack, pool in layout.pools.items()}
     x = jax.ShapeDtypeStruct((rows, S, cfg.model.hidden_size), dtype)
-    optional = jnp.ones(W - min(layout.sizes), bool) if layout.uneven else None
+    active = jnp.ones(layout.width, bool) if any(slots.optional) else None
+    local = jnp.asarray(layout.local[0, 0]) if None in slots.local else None
 
     def residuals(params, weights, x):
         model = nnx.merge(trainer.spec.graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(S), (rows, S))
-        chunk = jax.checkpoint(lambda w, x: model.run_blocks(x, positions, w, optional=optional)[0],
+        chunk = jax.checkpoint(lambda w, x: model.run_chunk(x, positions, w, slots, active, local)[0],
                                policy=stash_policy, prevent_cse=False)
         return Residuals().split(jax.vjp(chunk, weights, x)[1], weights)
 

@@ -297,6 +297,20 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """lm-evaluation-harness `tasks` run on the model being trained, every `every` steps and at the end (no tasks
+    or `every: 0` = off), each run one record of `eval/<task>/<metric>` in metrics.jsonl. `limit` caps the
+    documents per task, `include_path` is a directory of further task YAMLs, `batch_size` the sequences per
+    forward pass."""
+
+    tasks: list | None = None
+    every: int = non_negative(1000)
+    limit: int | None = positive(None)
+    include_path: str | None = None
+    batch_size: int = positive(8)
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -306,6 +320,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass
 
@@ -99,6 +100,10 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"data.paths={d.paths}: expected a list of prepared directories")
     from mlm_jax.parallel.rules import make_rules  # the table's own parser names the bad entry
     make_rules(p.rules, p.sequence_parallel)
+    tasks = cfg.eval.tasks
+    if tasks is not None and not all(isinstance(t, str) and t and "," not in t for t in tasks):
+        raise ConfigError(f"eval.tasks={tasks}: expected a list of lm-eval task names, e.g. "
+                          f"eval.tasks=[hellaswag,arc_easy]")
 
 
 def _check_mla(m) -> None:
@@ -260,9 +265,6 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
     if m.sliding_window is not None and m.attention_impl == "te":
         raise ConfigError(f"model.sliding_window={m.sliding_window} with model.attention_impl=te: the Transformer "
                           f"Engine kernel here is causal only; use model.attention_impl=auto")
-    if P > 1 and len({m.is_local(i) for i in range(m.num_layers)}) > 1:
-        raise ConfigError(f"parallel.stage={P} with model.layer_types mixing sliding and full attention: pipeline "
-                          f"chunks run one kind of layer; use no pipeline stages")
     if cp > 1 and t.seq_len % (2 * cp):
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2 x parallel.context={cp} (causal load "
                           f"balancing cuts the sequence into 2 x context chunks)")
@@ -282,13 +284,7 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
 
 
 def _check_moe_layout(cfg: Config, d: dict[str, int]) -> None:
-    moe, P = cfg.model.moe, d["stage"]
-    dense = [i for i in range(cfg.model.num_layers) if not moe.is_moe_layer(i)]
-    if P > 1 and dense:
-        raise ConfigError(f"parallel.stage={P} with dense layers in an MoE model (model.moe.first_dense_layers="
-                          f"{moe.first_dense_layers}, model.moe.every_n_layers={moe.every_n_layers}: layers {dense} "
-                          f"are dense): pipeline chunks hold one kind of block; use an MoE model whose every layer is "
-                          f"MoE, or no pipeline stages")
+    moe = cfg.model.moe
     if moe.num_experts % d["expert"]:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} is not divisible by parallel.expert={d['expert']}")
     F, tp = cfg.model.expert_ffn, d["tensor"]
@@ -424,4 +420,19 @@ def plan(cfg: Config, devices) -> Plan:
     degrees, M = check_degrees(cfg, len(devices))
     _check_hosts(cfg, devices)
     attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind)
+    _check_eval_tasks(cfg)
     return Plan(degrees, M, attn, experts)
+
+
+def _check_eval_tasks(cfg: Config) -> None:
+    """lm-eval installed, and the tasks known to it, when training evaluates them."""
+    e = cfg.eval
+    if not (e.tasks and e.every):
+        return
+    from mlm_jax.eval import tasks
+    if reason := tasks.missing():
+        raise ConfigError(f"eval.tasks={e.tasks}: {reason}")
+    if e.include_path is not None and not os.path.isdir(e.include_path):
+        raise ConfigError(f"eval.include_path={e.include_path}: not a directory")
+    if reason := tasks.unknown_task(e.tasks, e.include_path):
+        raise ConfigError(f"eval.tasks={e.tasks}: {reason}")

@@ -83,9 +83,6 @@ CASES = [
     case("aux-coef-negative", [*MOE, "model.moe.aux_loss_coef=-1"], "model.moe.aux_loss_coef=-1.0", "must be >= 0"),
     case("no-moe-layer", [*MOE, "model.moe.first_dense_layers=4"], "model.moe.first_dense_layers=4",
          "model.num_layers=4"),
-    case("moe-dense-layers-in-pipeline",
-         [*MOE, "parallel.stage=2", "parallel.data=4", "model.moe.first_dense_layers=2"],
-         "model.moe.first_dense_layers=2", "parallel.stage=2"),
     case("router", [*MOE, "model.moe.router=relu"], "model.moe.router='relu'", "softmax, sigmoid"),
     # training
     case("steps-zero", ["train.steps=0"], "train.steps=0", "must be positive"),

@@ -109,6 +109,19 @@ FAMILY_LAYOUTS = [
     ("qwen3-moe", ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=2", "parallel.tensor=2"]),
     ("deepseek-v3", ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=2", "parallel.tensor=2"]),
     ("mla-yarn", ["parallel.stage=2", "parallel.data=2", "parallel.tensor=2"]),
+    # Pipeline chunks whose layers differ by kind, and differently in each chunk (a switch per slot): local and
+    # global layers in every order over 2 x 2 chunks, with the single K/V head repeated over the tensor ranks
+    ("gemma3", ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=2", "parallel.tensor=2",
+                "train.num_microbatches=2", "model.num_layers=4",
+                "model.layer_types=[sliding_attention, full_attention, full_attention, sliding_attention]"]),
+    # the dense first layer alone in chunk 0, two MoE layers (one fetched from the other stage) in chunk 1,
+    # experts split over devices, the backward split for zero bubble, layers unrolled
+    ("deepseek-v3", ["parallel.stage=2", "parallel.data=1", "parallel.expert=2", "parallel.tensor=2",
+                     "train.num_microbatches=2", "parallel.pipeline_layers=[1,2]", "parallel.pipeline_schedule=zb1",
+                     "model.scan_layers=false"]),
+    # a dense layer among MoE ones, chunk by chunk over 2 x 2 chunks; both stacks whole on every stage
+    ("qwen3-moe", ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=2", "parallel.expert=2",
+                   "train.num_microbatches=2", "model.num_layers=4"]),
 ]
 
 
@@ -116,5 +129,8 @@ FAMILY_LAYOUTS = [
                          ids=[f"{f}-{'-'.join(o.split('.')[1].replace('=', '') for o in lay[:3])}"
                               for f, lay in FAMILY_LAYOUTS])
 def test_family_features_match_single_device(family, layout, tmp_path):
-    ref = run(FAMILIES[family] + ["parallel.data=1"], 1, tmp_path / "ref")
+    # a layout may reshape the model, and the reference accumulates the pipeline's microbatches (the MoE
+    # balancing losses are per microbatch)
+    model = FAMILIES[family] + [o for o in layout if o.startswith(("model.", "train."))]
+    ref = run(model + ["parallel.data=1"], 1, tmp_path / "ref")
     assert_matches(run(FAMILIES[family] + layout, 8, tmp_path / "layout"), ref)

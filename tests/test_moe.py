@@ -196,10 +196,9 @@ def test_deepseek_style_model_with_dense_layers_and_bias_updates_trains(tmp_path
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.expert=3", "parallel.data=1"], "model.moe.num_experts=8 is not divisible by parallel.expert=3"),
     (["model.moe.top_k=9"], "model.moe.top_k=9 exceeds model.moe.num_experts=8"),
-    (["parallel.stage=2", "parallel.data=4", "model.moe.first_dense_layers=1"], "pipeline chunks hold one kind"),
     (["model.moe.router_bias_update=0.1"], "needs model.moe.router=sigmoid"),
     (["model.moe.capacity_factor=0"], "must be positive"),
-], ids=["experts-by-ep", "top-k", "pipeline-dense-layers", "bias-without-sigmoid", "capacity"])
+], ids=["experts-by-ep", "top-k", "bias-without-sigmoid", "capacity"])
 def test_bad_moe_settings_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_degrees(load_config(None, BASE + overrides), 8 if "expert=3" not in overrides[0] else 3)

@@ -67,7 +67,7 @@ def test_layers_whole_on_every_stage_when_the_stages_do_not_divide_them(single_d
     overrides = ["parallel.stage=3", "parallel.data=2", "train.num_microbatches=4", "model.num_layers=4",
                  "parallel.pipeline_layers=[1,2,1]"]
     got = fit(BASE, overrides, 6, tmp_path)
-    assert got.trainer.chunks.sizes == (1, 2, 1) and not got.trainer.chunks.sharded
+    assert got.trainer.chunks.sizes == (1, 2, 1) and not got.trainer.chunks.pools["blocks"].sharded
     assert_matches(got, single_device(overrides))
 
 
@@ -100,12 +100,20 @@ def test_bad_pipeline_layouts_are_config_errors(overrides, message):
         check_degrees(load_config(None, BASE + overrides), 8)
 
 
-@pytest.mark.parametrize("layout", ["stage4", "stage2-virtual2", "stage2-tensor2-data2-sp"])
+EVAL_LAYOUTS = {name: LAYOUTS[name] for name in ("stage4", "stage2-virtual2", "stage2-tensor2-data2-sp")}
+# layers of several kinds, differently in each chunk: a dense layer among MoE ones, sliding-window and full layers
+EVAL_LAYOUTS["stage2-virtual2-dense-and-moe-windowed"] = [
+    "parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=2", "parallel.expert=2", "model.num_layers=4",
+    "model.moe.num_experts=4", "model.moe.dense_layers=[2]", "model.sliding_window=8", "model.local_rope_theta=100",
+    "model.layer_types=[sliding_attention, full_attention, sliding_attention, sliding_attention]"]
+
+
+@pytest.mark.parametrize("layout", list(EVAL_LAYOUTS))
 def test_pipelined_evaluation_equals_plain_evaluation(layout, tmp_path):
     """`Trainer.evaluate` with stages runs the pipeline's forward ticks; same initial weights, same loss."""
-    common = BASE + ["train.eval_batches=2", "checkpoint.every=0"] + [o for o in LAYOUTS[layout] if "model." in o]
+    common = BASE + ["train.eval_batches=2", "checkpoint.every=0"] + [o for o in EVAL_LAYOUTS[layout] if "model." in o]
     plain = Trainer(load_config(None, common + [f"train.output_dir={tmp_path / 'plain'}"]), devices=jax.devices()[:1])
-    piped = Trainer(load_config(None, common + LAYOUTS[layout] + [f"train.output_dir={tmp_path / 'piped'}"]),
+    piped = Trainer(load_config(None, common + EVAL_LAYOUTS[layout] + [f"train.output_dir={tmp_path / 'piped'}"]),
                     devices=jax.devices()[:8])
     assert piped.schedule is not None
     np.testing.assert_allclose(piped.evaluate(), plain.evaluate(), rtol=1e-5)

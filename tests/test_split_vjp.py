@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from mlm_jax import load_config
+from mlm_jax.layers.transformer import ChunkSlots, layer_kinds
 from mlm_jax.parallel.pipeline import stash_policy
 from mlm_jax.parallel.split_vjp import split_pullback
 from mlm_jax.train.state import model_spec
@@ -44,10 +45,11 @@ def _mlp(layout: str):
 
 
 @functools.cache
-def _model(scan: bool, *overrides, active=None):
-    """The model's blocks as a pipeline chunk runs them (`_Stage.chunk`; `active`: whether each of the last
-    layers runs, as in a chunk shorter than its stage's room), and its number of weight matmuls: one for each
-    (L, ...) weight of 3 dims or more, in each layer."""
+def _model(scan: bool, *overrides, active=None, local=None):
+    """The model's blocks as a pipeline chunk runs them (`_Stage.chunk`: `active`, whether each of the last layers
+    runs, as in a chunk shorter than its stage's room; `local`, traced window flags, as in a chunk whose layer kinds
+    differ from other chunks'), and its number of weight matmuls: one for each (L, ...) weight of 3 dims or more,
+    in each layer."""
     m = load_config(None, [f"model.num_layers={L}", f"model.hidden_size={D}", "model.num_heads=4",
                            f"model.ffn_size={F}", "model.vocab_size=128", "model.dtype=float32",
                            f"model.scan_layers={str(scan).lower()}", *overrides]).model
@@ -55,11 +57,19 @@ def _model(scan: bool, *overrides, active=None):
     keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(spec.shapes))))
     params = jax.tree.map(lambda s: 0.1 * jax.random.normal(next(keys), s.shape, s.dtype), spec.shapes)
     positions_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
+    kinds = layer_kinds(m)
+    optional = (False,) * (L - len(active or ())) + (True,) * len(active or ())
+    slots = ChunkSlots(stacks=tuple(stack for stack, _ in kinds), optional=optional,
+                       local=tuple(None if local else is_local for _, is_local in kinds))
+    stacks = sorted({stack for stack, _ in kinds})
 
-    def f(blocks, x_BSD):
-        on = None if active is None else jnp.asarray(active)
-        return nnx.merge(spec.graphdef, params).run_blocks(x_BSD, positions_BS, blocks, optional=on)[0]
-    return f, params["blocks"], sum(a.ndim >= 3 for a in jax.tree.leaves(params["blocks"])) * L
+    def f(pools, x_BSD):
+        on = None if active is None else jnp.asarray((True,) * (L - len(active)) + tuple(active))
+        flags = None if local is None else jnp.asarray(local)
+        return nnx.merge(spec.graphdef, params).run_chunk(x_BSD, positions_BS, pools, slots, on, flags)[0]
+    pools = {stack: params[stack] for stack in stacks}
+    matmuls = sum(sum(a.ndim >= 3 for a in jax.tree.leaves(w)) * len(jax.tree.leaves(w)[0]) for w in pools.values())
+    return f, pools, matmuls
 
 
 CASES = {
@@ -75,6 +85,9 @@ CASES = {
     "model-unrolled-layer-skipped": lambda: _model(False, active=(False,)),
     "model-scan-layer-skipped": lambda: _model(True, active=(False, True)),
     "moe-scan-layer-skipped": lambda: _model(True, "model.moe.num_experts=4", active=(True, False)),
+    "dense-then-moe-unrolled": lambda: _model(False, "model.moe.num_experts=4", "model.moe.first_dense_layers=1"),
+    "window-chosen-per-chunk-scan": lambda: _model(True, "model.sliding_window=4", "model.local_rope_theta=100",
+                                                   local=(True, False)),
 }
 
 

@@ -52,14 +52,16 @@ def _mesh(stages):
 def test_gather_puts_each_layer_in_its_chunk_slot_and_returns_its_gradient(sizes, stages, virtual):
     """And its gradient, `scatter` (gathers and ppermutes), equals the transpose autodiff derives."""
     layout = ChunkLayout(sizes, stages, virtual)
+    pool = layout.pools["blocks"]
     L, W = layout.layers, layout.width
+    assert W == max(sizes) and pool.width == W
     canonical = jnp.arange(L, dtype=jnp.float32)[:, None] * jnp.ones((1, 3))  # layer l holds l
-    spec = PartitionSpec(STAGE) if layout.sharded else PartitionSpec()
+    spec = PartitionSpec(STAGE) if pool.sharded else PartitionSpec()
 
     def per_stage(block, g_VW):
-        chunks, pullback = jax.vjp(layout.gather, block)
-        g, g_transposed = pullback(g_VW[:, 0])[0], jax.linear_transpose(layout._fetch, block)(g_VW[:, 0])[0]
-        if not layout.sharded:
+        chunks, pullback = jax.vjp(pool.gather, block)
+        g, g_transposed = pullback(g_VW[:, 0])[0], jax.linear_transpose(pool._fetch, block)(g_VW[:, 0])[0]
+        if not pool.sharded:
             g, g_transposed = jax.lax.psum(g, STAGE), jax.lax.psum(g_transposed, STAGE)
         return chunks[:, None], g, g_transposed
 
@@ -74,3 +76,34 @@ def test_gather_puts_each_layer_in_its_chunk_slot_and_returns_its_gradient(sizes
     np.testing.assert_array_equal(np.asarray(g), 1.0 + np.asarray(canonical))  # each layer's own cotangent, once
     np.testing.assert_array_equal(np.asarray(g), np.asarray(g_transposed))  # `scatter` is the gather's transpose
     np.testing.assert_array_equal(np.asarray(layout.canonical(chunks))[:, 0], np.arange(L))
+
+
+D, M = ("dense_blocks", False), ("blocks", False)  # an MoE model's dense and MoE layers (full attention)
+G, W = ("blocks", False), ("blocks", True)  # full and sliding-window layers of one stack
+
+
+@pytest.mark.parametrize("kinds, sizes, stages, virtual, stacks, optional, local", [
+    # DeepSeek-V3-like: the dense first layers get slots of their own, which the other chunks leave empty
+    ((D, D, M, M, M, M, M), (4, 3), 2, 1, ("dense_blocks",) * 2 + ("blocks",) * 3, (True, True, False, False, True),
+     (False,) * 5),
+    # Qwen3-MoE-like: a dense layer every other layer, the chunks out of phase
+    ((M, D, M, D, M, D), (1, 2, 2, 1), 2, 2, ("dense_blocks", "blocks"), (True, True), (False,) * 2),
+    # Gemma 3: one stack, the window chosen per chunk where the slots disagree
+    ((W, W, G, W, W, G, W, W), (4, 4), 2, 1, ("blocks",) * 4, (False,) * 4, (True, None, None, True)),
+])
+def test_layers_of_several_kinds_share_slots_of_one_stack_each(kinds, sizes, stages, virtual, stacks, optional,
+                                                               local):
+    layout = ChunkLayout(sizes, stages, virtual, kinds)
+    slots = layout.chunk_slots
+    assert (slots.stacks, slots.optional, slots.local) == (stacks, optional, local)
+    for (v, p, i), l in np.ndenumerate(layout.slots):  # every layer once, in order, in a slot of its stack
+        if l >= 0:
+            assert kinds[l][0] == stacks[i] and layout.local[v, p, i] == kinds[l][1]
+    assert sorted(layout.slots[layout.active].tolist()) == list(range(len(kinds)))
+    for chunk in layout.slots.reshape(-1, layout.width):
+        assert list(chunk[chunk >= 0]) == sorted(chunk[chunk >= 0])
+    for stack, pool in layout.pools.items():  # each stack's pool row holds that slot's layer, as a stack row
+        rows = layout.rows(stack)
+        mine = [i for i, s in enumerate(stacks) if s == stack]
+        expect = np.where(layout.active[:, :, mine], layout.slots[:, :, mine], -1)
+        np.testing.assert_array_equal(np.where(pool.active, np.asarray(rows)[pool.slots], -1), expect)

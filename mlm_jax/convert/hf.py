@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,8 @@ from mlm_jax.validation import check_config
 from mlm_jax.convert import ConvertError, deepseek_v3, gemma3, llama, mixtral, qwen3_moe, store
 from mlm_jax.train.state import model_spec
 
+# The tokenizer and what configures it (special tokens, chat template, generation defaults), kept as they are
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
 
 
@@ -87,6 +90,9 @@ def from_hf(src: str, dst: str) -> Config:
     with open(os.path.join(dst, "config.yaml"), "w") as f:
         f.write(f"# converted from {os.path.abspath(src)} ({source.architecture})\n")
         f.write(yaml.safe_dump({"name": cfg.name, "model": dataclasses.asdict(m)}, sort_keys=False))
+    for name in TOKENIZER_FILES:  # generation and evaluation read the tokenizer from beside the checkpoint
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
     return cfg
 
 

@@ -46,7 +46,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local tokenizer.json. The fingerprint is the file's sha256, so any edit to the vocabulary is caught."""
 
-    def __init__(self, path: str | Path, eod_token: str | None = None):
+    def __init__(self, path: str | Path, eod_token: str | None = None, eod_id: int | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -62,7 +62,7 @@ class HFTokenizer:
         self.fingerprint = "sha256:" + hashlib.sha256(data).hexdigest()
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1  # ids the model's embedding must cover, holes included
-        self.eod_id = self._eod_id(vocab, eod_token)
+        self.eod_id = self._eod_id(vocab, eod_token) if eod_id is None else eod_id  # a model's config may say
 
     def _eod_id(self, vocab: dict[str, int], eod_token: str | None) -> int:
         if eod_token is not None:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers import kv_cache as kv
 from mlm_jax.layers.linear import Linear
 from mlm_jax.layers.norm import Norm
 from mlm_jax.layers.rope import RopeConfig, apply_rope
@@ -51,27 +52,35 @@ def unavailable(kernel: str, dtype, platform: str) -> str | None:
     return None
 
 
-def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str, window: int | None = None) -> jax.Array:
-    """Causal attention, within a sliding `window` if given; K/V heads may be fewer than query heads (GQA), never
-    repeated in memory.
+def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, impl: str, window: int | None = None,
+           local: bool | jax.Array = True) -> jax.Array:
+    """Causal attention, within a sliding `window` where `local` (a traced bool in a pipeline chunk whose layers
+    differ by kind from chunk to chunk); K/V heads may be fewer than query heads (GQA), never repeated in memory.
 
     Under context parallelism the trainer installs its own kernel (`axes.ATTENTION`), which gets the sequence in
-    its load-balanced order and the kernel this one would have used.
+    its load-balanced order and the kernel this one would have used; every kernel takes `window` and `local`.
     """
-    if (replacement := ax.kernel(ax.ATTENTION)) is not None:
-        return replacement(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype), window=window)
-    return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype), window=window)
+    if local is False or window is None:
+        window, local = None, True
+    kernel = ax.kernel(ax.ATTENTION) or local_attention
+    return kernel(q_BSNH, k_BSKH, v_BSKH, impl=kernel_for(impl, q_BSNH.dtype), window=window, local=local)
 
 
 def local_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, impl: str,
-                    window: int | None = None) -> jax.Array:
+                    window: int | None = None, local: bool | jax.Array = True) -> jax.Array:
     """Causal attention through the kernel `impl` names (cudnn, xla or te), with no collective of its own. A
-    window is cuDNN's local window on GPUs (blocks outside it are skipped), a mask in XLA."""
+    window is cuDNN's local window on GPUs (blocks outside it are skipped), a mask in XLA; a traced `local` picks
+    windowed or full attention in a `lax.cond` (inside a pipeline stage, in the kernel's fully manual region)."""
     if impl == "te":
         from mlm_jax.layers import te  # optional backend, imported only when chosen
         return te.attend(q_BSNH, k_BSKH, v_BSKH)
-    return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True, implementation=impl,
-                                        local_window_size=None if window is None else (window - 1, 0))
+
+    def kernel(window):
+        return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True, implementation=impl,
+                                            local_window_size=None if window is None else (window - 1, 0))
+    if window is None or local is True:
+        return kernel(window)
+    return jax.lax.cond(local, lambda: kernel(window), lambda: kernel(None))
 
 
 class Attention(nnx.Module):
@@ -91,18 +100,54 @@ class Attention(nnx.Module):
             nkw = dict(kind="rmsnorm", eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype, offset=c.norm_offset)
             self.q_norm, self.k_norm = Norm(c.head_dim, **nkw), Norm(c.head_dim, **nkw)
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> jax.Array:
-        """`local`: a sliding-window layer (its window and RoPE)."""
-        rope = (self.c.local_rope or self.c.rope) if local else self.c.rope
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool | jax.Array = False) -> jax.Array:
+        """`local`: a sliding-window layer (its window and RoPE), or a traced bool saying so (`Transformer.run_chunk`)."""
+        q_BSNH, k_BSKH, v_BSKH = self.project(x_BSD, positions_BS, local)
+        return self.out(attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl, self.c.window, local))
+
+    def cached(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
+               lengths_B: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Attention with a key/value cache (`layers.kv_cache`; `cache` holds its `k` and `v`): a prefill of
+        right-padded prompts of `lengths_B` tokens (attention as in training, then the cache filled), or, without
+        lengths, decode steps at `positions_BT` (written to the cache, then attending over it)."""
+        q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD, positions_BT, local)
+        window = self.c.window if local else None
+        C = cache["k"].shape[1]
+        if lengths_B is not None:
+            out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, self.c.impl, self.c.window, local)
+            cache = {"k": kv.fill(k_BTKH, lengths_B, C), "v": kv.fill(v_BTKH, lengths_B, C)}
+        else:
+            cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
+            out_BTNH = kv.attend_cached(q_BTNH, cache["k"], cache["v"], positions_BT, window)
+        cached = (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)
+        return self.out(out_BTNH), {k: ax.constrain(a, cached) for k, a in cache.items()}
+
+    def cache_shape(self, batch: int, length: int, local: bool, dtype) -> dict:
+        """The cache of this layer for `batch` rows of up to `length` positions."""
+        C = kv.slots(length, self.c.window if local else None)
+        x = jax.ShapeDtypeStruct((batch, C, self.c.kv_heads, self.c.head_dim), dtype)
+        return {"k": x, "v": x}
+
+    def project(self, x_BSD: jax.Array, positions_BS: jax.Array, local) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries (scaled for the kernels' 1/sqrt(head_dim)), keys and values, normed and rotated."""
         q_BSNH = ax.constrain(self.q(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
         k_BSKH = ax.constrain(self.k(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
         v_BSKH = ax.constrain(self.v(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
         if self.c.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
-        q_BSNH = apply_rope(q_BSNH, positions_BS, rope)
-        k_BSKH = apply_rope(k_BSKH, positions_BS, rope)
+        q_BSNH, k_BSKH = self.rotate(q_BSNH, positions_BS, local), self.rotate(k_BSKH, positions_BS, local)
         if self.c.scale is not None:  # every kernel divides by sqrt(head_dim)
             q_BSNH = q_BSNH * jnp.asarray(self.c.scale * math.sqrt(self.c.head_dim), q_BSNH.dtype)
-        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl, self.c.window if local else None)
-        out_BSNH = ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
-        return self.o(out_BSNH)
+        return q_BSNH, k_BSKH, v_BSKH
+
+    def out(self, out_BSNH: jax.Array) -> jax.Array:
+        return self.o(ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))
+
+    def rotate(self, x_BSNH: jax.Array, positions_BS: jax.Array, local: bool | jax.Array) -> jax.Array:
+        """RoPE of a local layer (its own base, where it has one) or of a full one; both, then a select, for a
+        traced `local`."""
+        local_rope = self.c.local_rope or self.c.rope
+        if isinstance(local, bool) or local_rope == self.c.rope:
+            return apply_rope(x_BSNH, positions_BS, local_rope if local is True else self.c.rope)
+        return jnp.where(local, apply_rope(x_BSNH, positions_BS, local_rope), apply_rope(x_BSNH, positions_BS,
+                                                                                        self.c.rope))

@@ -52,13 +52,25 @@ class Block(nnx.Module):
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> tuple[jax.Array, dict]:
         """The block's output and, for an MoE block, its routing statistics (`MoE.route`); `local`: a
         sliding-window layer."""
+        x_BSD, stats, _ = self.run(x_BSD, lambda h_BSD: (self.attn(h_BSD, positions_BS, local), None))
+        return x_BSD, stats
+
+    def cached(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
+               lengths_B: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """The block with its attention's key/value cache (`Attention.cached`): its output and the new cache."""
+        x_BTD, _, cache = self.run(x_BTD, lambda h_BTD: self.attn.cached(h_BTD, positions_BT, local, cache, lengths_B))
+        return x_BTD, cache
+
+    def run(self, x_BSD: jax.Array, attention) -> tuple[jax.Array, dict, object]:
+        """The block around `attention(h_BSD) -> (output, extra)`; returns (output, statistics, extra)."""
         with jax.named_scope("attention"):  # scopes name the kernels in profiles and HLO dumps
             h_BSD = ax.constrain(self.attn_norm(x_BSD), GATHERED)
-            x_BSD = ax.constrain(x_BSD + self.post(self.attn(h_BSD, positions_BS, local), "attn"), RESIDUAL)
+            a_BSD, extra = attention(h_BSD)
+            x_BSD = ax.constrain(x_BSD + self.post(a_BSD, "attn"), RESIDUAL)
         with jax.named_scope("mlp"):
             h_BSD = ax.constrain(self.mlp_norm(x_BSD), GATHERED)
             y_BSD, stats = (self.mlp(h_BSD), {}) if hasattr(self, "mlp") else self.moe(h_BSD)
-            return ax.constrain(x_BSD + self.post(y_BSD, "mlp"), RESIDUAL), stats
+            return ax.constrain(x_BSD + self.post(y_BSD, "mlp"), RESIDUAL), stats, extra
 
     def post(self, y_BSD: jax.Array, part: str) -> jax.Array:
         """A sublayer's output, through its post-norm if the block has them."""

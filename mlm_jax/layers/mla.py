@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers import kv_cache as kv
 from mlm_jax.layers.attention import attend
 from mlm_jax.layers.linear import Linear
 from mlm_jax.layers.norm import Norm
@@ -66,25 +67,81 @@ class LatentAttention(nnx.Module):
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> jax.Array:
         c = self.c
         heads = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)
-        latent = (ax.ACT_BATCH, ax.ACT_SEQ, None)
+        q_BSNH = self.query(x_BSD, positions_BS)
+        k_BSNH, v_BSNH = self.expand(*self.latent(x_BSD, positions_BS))
+        out_BSNH = attend(q_BSNH, k_BSNH, v_BSNH, c.impl)
+        return self.o(ax.constrain(out_BSNH[..., :c.v_dim], heads))
+
+    def cached(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
+               lengths_B: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Attention with a cache of the normed kv latent and the rotated shared key (`latent`, `rope`), not of the
+        per-head keys and values: a prefill (as `Attention.cached`) runs as in training; a decode step folds the
+        key expansion into the query and the value expansion into the output (DeepSeek-V2's absorbed form), so
+        it reads R + E numbers per cached position instead of N x (P + V)."""
+        c = self.c
+        heads = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)
+        q_BTNH = self.query(x_BTD, positions_BT)
+        latent_BTR, rope_BTE = self.latent(x_BTD, positions_BT)
+        C = cache["latent"].shape[1]
+        if lengths_B is not None:
+            out_BTNH = attend(q_BTNH, *self.expand(latent_BTR, rope_BTE), c.impl)[..., :c.v_dim]
+            cache = {"latent": kv.fill(latent_BTR, lengths_B, C), "rope": kv.fill(rope_BTE, lengths_B, C)}
+        else:
+            cache = {"latent": kv.write(cache["latent"], latent_BTR, positions_BT),
+                     "rope": kv.write(cache["rope"], rope_BTE, positions_BT)}
+            out_BTNH = self.absorbed(q_BTNH, cache["latent"], cache["rope"], positions_BT)
+        cache = {k: ax.constrain(a, (ax.ACT_BATCH, None, None)) for k, a in cache.items()}
+        return self.o(ax.constrain(out_BTNH, heads)), cache
+
+    def cache_shape(self, batch: int, length: int, local: bool, dtype) -> dict:
+        return {"latent": jax.ShapeDtypeStruct((batch, length, self.c.kv_rank), dtype),
+                "rope": jax.ShapeDtypeStruct((batch, length, self.c.rope_dim), dtype)}
+
+    def query(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+        """Each head's [no-position part, rotated part], scaled for the kernels' 1/sqrt(P + E)."""
+        c = self.c
         if c.q_rank is None:
             q_BSNH = self.q(x_BSD)
         else:
-            q_BSNH = self.q_b(self.q_a_norm(ax.constrain(self.q_a(x_BSD), latent)))
-        q_BSNH = ax.constrain(q_BSNH, heads)
-        kv_BSR = ax.constrain(self.kv_a(x_BSD), latent)
-        k_rope_BS1E = apply_rope(kv_BSR[..., None, c.kv_rank:], positions_BS, c.rope)
-        kv_BSNH = ax.constrain(self.kv_b(self.kv_a_norm(kv_BSR[..., :c.kv_rank])), heads)
-        k_nope_BSNP, v_BSNV = kv_BSNH[..., :c.nope_dim], kv_BSNH[..., c.nope_dim:]
+            q_BSNH = self.q_b(self.q_a_norm(ax.constrain(self.q_a(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, None))))
+        q_BSNH = ax.constrain(q_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
         q_BSNH = jnp.concatenate([q_BSNH[..., :c.nope_dim],
                                   apply_rope(q_BSNH[..., c.nope_dim:], positions_BS, c.rope)], axis=-1)
-        k_BSNH = jnp.concatenate([k_nope_BSNP, jnp.broadcast_to(k_rope_BS1E, (*k_nope_BSNP.shape[:3], c.rope_dim))],
-                                 axis=-1)
-        qk = c.nope_dim + c.rope_dim
         if c.scale is not None:  # every kernel divides by sqrt(head dim)
-            q_BSNH = q_BSNH * jnp.asarray(c.scale * math.sqrt(qk), q_BSNH.dtype)
-        pad = qk - c.v_dim
+            q_BSNH = q_BSNH * jnp.asarray(c.scale * math.sqrt(c.nope_dim + c.rope_dim), q_BSNH.dtype)
+        return ax.constrain(q_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
+
+    def latent(self, x_BSD: jax.Array, positions_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The normed kv latent and the rotated key every head shares."""
+        c = self.c
+        kv_BSR = ax.constrain(self.kv_a(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, None))
+        rope_BSE = apply_rope(kv_BSR[..., None, c.kv_rank:], positions_BS, c.rope)[..., 0, :]
+        return self.kv_a_norm(kv_BSR[..., :c.kv_rank]), rope_BSE
+
+    def expand(self, latent_BSR: jax.Array, rope_BSE: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-head keys and values (the values zero-padded to the key width) from the latent and shared key."""
+        c = self.c
+        kv_BSNH = ax.constrain(self.kv_b(latent_BSR), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
+        k_nope_BSNP, v_BSNV = kv_BSNH[..., :c.nope_dim], kv_BSNH[..., c.nope_dim:]
+        k_BSNH = jnp.concatenate([k_nope_BSNP, jnp.broadcast_to(rope_BSE[..., None, :],
+                                                                (*k_nope_BSNP.shape[:3], c.rope_dim))], axis=-1)
+        pad = c.nope_dim + c.rope_dim - c.v_dim
         v_BSNH = jnp.pad(v_BSNV, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v_BSNV
-        out_BSNH = attend(ax.constrain(q_BSNH, heads), ax.constrain(k_BSNH, heads), ax.constrain(v_BSNH, heads),
-                          c.impl)
-        return self.o(ax.constrain(out_BSNH[..., :c.v_dim], heads))
+        heads = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)
+        return ax.constrain(k_BSNH, heads), ax.constrain(v_BSNH, heads)
+
+    def absorbed(self, q_BTNH: jax.Array, latent_BCR: jax.Array, rope_BCE: jax.Array,
+                 positions_BT: jax.Array) -> jax.Array:
+        """Decode attention over the latent cache: q_nope . (W_k c) = (W_k^T q_nope) . c, and the output
+        W_v (sum_j p_j c_j); the softmax in fp32."""
+        c = self.c
+        w_RNH = self.kv_b.kernel[...].astype(q_BTNH.dtype)
+        w_k_RNP, w_v_RNV = w_RNH[..., :c.nope_dim], w_RNH[..., c.nope_dim:]
+        q_BTNR = jnp.einsum("btnp,rnp->btnr", q_BTNH[..., :c.nope_dim], w_k_RNP)
+        scores_BNTC = (jnp.einsum("btnr,bcr->bntc", q_BTNR, latent_BCR, preferred_element_type=jnp.float32)
+                       + jnp.einsum("btne,bce->bntc", q_BTNH[..., c.nope_dim:], rope_BCE,
+                                    preferred_element_type=jnp.float32))
+        scores_BNTC = scores_BNTC / jnp.sqrt(jnp.float32(c.nope_dim + c.rope_dim))
+        mask_B1TC = kv.visible(positions_BT, latent_BCR.shape[1], None)[:, None]
+        probs_BNTC = jax.nn.softmax(jnp.where(mask_B1TC, scores_BNTC, -jnp.inf), axis=-1).astype(latent_BCR.dtype)
+        return jnp.einsum("btnr,rnv->btnv", jnp.einsum("bntc,bcr->btnr", probs_BNTC, latent_BCR), w_v_RNV)

@@ -4,7 +4,8 @@ Shapes: B batch, S sequence, D model, V vocabulary, L layers.
 
 An MoE model keeps its MoE blocks stacked in `blocks` and, when some layers stay dense (`moe.first_dense_layers`,
 `moe.every_n_layers`, `moe.dense_layers`), those in `dense_blocks`; the layers run in their model order, one
-contiguous run of each kind (dense or MoE, sliding-window or full attention) at a time.
+contiguous run of each kind (dense or MoE, sliding-window or full attention) at a time. A pipeline chunk
+(`run_chunk`) may hold layers of several kinds, which can differ from chunk to chunk.
 """
 from __future__ import annotations
 
@@ -64,19 +65,53 @@ def rope_config(m: ModelConfig) -> RopeConfig:
                       attention_factor=r.attention_factor, truncate=r.truncate)
 
 
-def layer_runs(m: ModelConfig) -> tuple[tuple[bool, bool, int, int], ...]:
-    """The layers as contiguous runs (dense, local, first index in that kind's stack, count), in model order:
-    dense or MoE blocks live in separate stacks, sliding-window (local) and full layers share one."""
+Kind = tuple[str, bool]  # a layer's stack (`blocks` or `dense_blocks`) and whether it attends through the window
+
+
+def layer_kinds(m: ModelConfig) -> tuple[Kind, ...]:
+    """Each layer's kind, in model order: an MoE model's dense layers live in `dense_blocks`, every other layer in
+    `blocks`; sliding-window (local) and full layers share their stack."""
+    return tuple(("dense_blocks" if m.moe.enabled and not m.moe.is_moe_layer(i) else "blocks", m.is_local(i))
+                 for i in range(m.num_layers))
+
+
+def layer_runs(m: ModelConfig) -> tuple[tuple[Kind, int, int], ...]:
+    """The layers as contiguous runs of one kind (kind, first index in its stack, count), in model order."""
     runs: list[list] = []
-    seen = {True: 0, False: 0}
-    for i in range(m.num_layers):
-        dense, local = m.moe.enabled and not m.moe.is_moe_layer(i), m.is_local(i)
-        if runs and runs[-1][:2] == [dense, local]:
-            runs[-1][3] += 1
+    seen = {"blocks": 0, "dense_blocks": 0}
+    for kind in layer_kinds(m):
+        if runs and runs[-1][0] == kind:
+            runs[-1][2] += 1
         else:
-            runs.append([dense, local, seen[dense], 1])
-        seen[dense] += 1
+            runs.append([kind, seen[kind[0]], 1])
+        seen[kind[0]] += 1
     return tuple(tuple(r) for r in runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSlots:
+    """The layer slots every pipeline chunk has (`parallel.stages.ChunkLayout` lays them out): slot i holds a layer
+    of stack `stacks[i]` in the chunks that fill it, and none in the others where `optional[i]`; `local[i]` says
+    whether its layer attends through the sliding window, None where that differs from chunk to chunk."""
+
+    stacks: tuple[str, ...]
+    optional: tuple[bool, ...]
+    local: tuple[bool | None, ...]
+
+    def row(self, i: int) -> int:
+        """Slot i's row in its stack's chunk layers: the slots of that stack before it."""
+        return self.stacks[:i].count(self.stacks[i])
+
+    @property
+    def runs(self) -> tuple[tuple[str, int, int], ...]:
+        """The slots as runs of one stack: (stack, first slot, count)."""
+        runs: list[list] = []
+        for i, stack in enumerate(self.stacks):
+            if runs and runs[-1][0] == stack:
+                runs[-1][2] += 1
+            else:
+                runs.append([stack, i, 1])
+        return tuple(tuple(r) for r in runs)
 
 
 class Transformer(nnx.Module):
@@ -86,6 +121,7 @@ class Transformer(nnx.Module):
         self.remat = m.remat
         self.scan_layers = m.scan_layers
         dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
+        self.cache_dtype = dtype  # of the key/value cache in decoding
         bc = block_config(m)
         self.embed = Embed(m.vocab_size, m.hidden_size, std=m.init_std, dtype=dtype, param_dtype=param_dtype,
                            rngs=rngs, scale=math.sqrt(m.hidden_size) if m.scale_embeddings else 1.0)
@@ -99,8 +135,7 @@ class Transformer(nnx.Module):
                 return Block(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=key))
             return make(jax.random.split(rngs.params(), count))
 
-        dense_layers = sum(n for dense, _, _, n in self.runs if dense)
-        self.local = m.is_local(0)  # of a pipeline chunk's layers: one kind in every layer (`validation`)
+        dense_layers = sum(n for (stack, _), _, n in self.runs if stack == "dense_blocks")
         self.blocks = stacked(block_config(m, moe=m.moe.enabled), m.num_layers - dense_layers)
         if dense_layers:
             self.dense_blocks = stacked(bc, dense_layers)
@@ -120,59 +155,140 @@ class Transformer(nnx.Module):
         with jax.named_scope("embed"):
             x_BSD = self.embed(tokens_BS)
         stats = []
-        for dense, local, start, count in self.runs:
-            run = None  # the whole stack
+        for kind, start, count in self.runs:
+            stack = nnx.state(getattr(self, kind[0]))
             if len(self.runs) > 1:
-                run = jax.tree.map(lambda w: w[start:start + count],
-                                   nnx.state(self.dense_blocks if dense else self.blocks))
-            x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, run, dense=dense, local=local)
-            if not dense:
+                stack = jax.tree.map(lambda w: w[start:start + count], stack)
+            x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, stack, kind)
+            if run_stats:
                 stats.append(run_stats)
-        stats = jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if len(stats) > 1 else stats[0]
+        stats = jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if len(stats) > 1 else (stats or [{}])[0]
         return self.logits(x_BSD), stats
 
-    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state=None, dense: bool = False,
-                   optional: jax.Array | None = None, local: bool | None = None) -> tuple[jax.Array, dict]:
-        """The stacked blocks, or `stacked_state` (a slice of them: a pipeline chunk), in order; returns the
-        output and the per-layer MoE statistics. `local`: sliding-window layers (default: the kind of a model
-        whose layers are all of one kind). `optional` (traced bools for the last layers) skips those it
-        marks False: a pipeline chunk shorter than the room its stage has for one. Unrolled, only those layers
-        sit in a `lax.cond`; scanned, every layer does (one body).
+    def block_fn(self, kind: Kind):
+        """`(x_BSD, positions_BS, layer_state) -> (x_BSD, MoE statistics)`: one layer of `kind`, with the model's
+        recompute policy."""
+        stack, local = kind
+        graphdef = nnx.graphdef(getattr(self, stack))
+
+        def block(x_BSD, positions_BS, layer_state):
+            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, local)
+
+        if self.remat != "none":
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
+        return block
+
+    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state,
+                   kind: Kind) -> tuple[jax.Array, dict]:
+        """Layers of one kind (`stacked_state`: their stacked weights), in order; returns the output and the
+        per-layer MoE statistics.
 
         Scanned, one layer body is compiled whatever the depth; unrolled, XLA schedules and fuses across layer
         boundaries (and overlaps FSDP gathers with the previous layer), which runs faster. Parameters stay
         stacked either way, so checkpoints and shardings do not depend on the choice.
         """
-        graphdef, state = nnx.split(self.dense_blocks if dense else self.blocks)
-        stacked_state = state if stacked_state is None else stacked_state
-
-        local = self.local if local is None else local
-
-        def block(x_BSD, layer_state):
-            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, local)
-
-        if self.remat != "none":
-            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
-
-        def layer(x_BSD, xs):
-            layer_state, on = xs
-            if on is None:
-                return block(x_BSD, layer_state)
-            stats = jax.eval_shape(block, x_BSD, layer_state)[1]
-            skip = lambda x, _: (x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats))  # noqa: E731
-            return jax.lax.cond(on, block, skip, x_BSD, layer_state)
-
-        n = jax.tree.leaves(stacked_state)[0].shape[0]
-        fixed = n - (0 if optional is None else optional.shape[0])  # the layers that always run
+        block = self.block_fn(kind)
+        layer = lambda x_BSD, layer_state: block(x_BSD, positions_BS, layer_state)  # noqa: E731
         if self.scan_layers:
-            active = None if optional is None else jnp.concatenate([jnp.ones(fixed, bool), optional])
-            return jax.lax.scan(layer, x_BSD, (stacked_state, active))
+            return jax.lax.scan(layer, x_BSD, stacked_state)
         stats = []
-        for i in range(n):
-            on = None if i < fixed else optional[i - fixed]
-            x_BSD, layer_stats = layer(x_BSD, (jax.tree.map(lambda w: w[i], stacked_state), on))
+        for i in range(jax.tree.leaves(stacked_state)[0].shape[0]):
+            x_BSD, layer_stats = layer(x_BSD, jax.tree.map(lambda w: w[i], stacked_state))
             stats.append(layer_stats)
         return x_BSD, jax.tree.map(lambda *s: jnp.stack(s), *stats)
+
+    def run_chunk(self, x_BSD: jax.Array, positions_BS: jax.Array, pools: dict, slots: ChunkSlots,
+                  active: jax.Array | None = None, local: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """A pipeline chunk: slot i runs row `slots.row(i)` of `pools[slots.stacks[i]]` (that stack's stacked chunk
+        layers) where the traced `active[i]` says, if `slots.optional[i]` (else always), as a sliding-window layer
+        where `slots.local[i]`, or, where that is None, where the traced `local[i]` says. Returns the output and
+        each slot's MoE statistics (zeros where the slot ran no MoE layer; {} for a model without experts).
+
+        Slots of one stack in a row run as `run_blocks` does (scanned or unrolled); optional slots sit in a
+        `lax.cond` (scanned: every slot of the run, one body). A slot never chooses between stacks: the stages
+        take different branches at the same tick, and a branch must not own a collective another lacks.
+        """
+        stats = {}
+        if hasattr(self.blocks, "moe"):  # an MoE model: its MoE layers' statistics
+            layer0 = jax.tree.map(lambda w: w[0], pools["blocks"])
+            stats = jax.eval_shape(self.block_fn(("blocks", False)), x_BSD, positions_BS, layer0)[1]
+
+        def zeros():
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
+
+        def layer(stack, x_BSD, layer_state, on, is_local):
+            block = self.block_fn((stack, is_local))
+
+            def run(x_BSD, layer_state):
+                y_BSD, layer_stats = block(x_BSD, positions_BS, layer_state)
+                return y_BSD, layer_stats or zeros()  # a dense layer of an MoE model: no routing
+
+            if on is None:
+                return run(x_BSD, layer_state)
+            return jax.lax.cond(on, run, lambda x_BSD, _: (x_BSD, zeros()), x_BSD, layer_state)
+
+        out = []
+        for stack, start, count in slots.runs:
+            row = slots.row(start)
+            weights = jax.tree.map(lambda w: w[row:row + count], pools[stack])
+            part = range(start, start + count)
+            on = active[start:start + count] if any(slots.optional[i] for i in part) else None
+            kinds = {slots.local[i] for i in part}
+            if self.scan_layers:
+                static = kinds.pop() if len(kinds) == 1 else None  # None: a choice per chunk
+                flags = None
+                if static is None:
+                    flags = jnp.stack([local[i] if slots.local[i] is None else jnp.asarray(slots.local[i])
+                                       for i in part])
+
+                def body(x_BSD, xs, stack=stack, static=static):
+                    w, o, f = xs
+                    return layer(stack, x_BSD, w, o, static if f is None else f)
+                x_BSD, run_stats = jax.lax.scan(body, x_BSD, (weights, on, flags))
+            else:
+                run_stats = []
+                for j, i in enumerate(part):
+                    is_local = local[i] if slots.local[i] is None else slots.local[i]
+                    x_BSD, layer_stats = layer(stack, x_BSD, jax.tree.map(lambda w: w[j], weights),
+                                               None if on is None else on[j], is_local)
+                    run_stats.append(layer_stats)
+                run_stats = jax.tree.map(lambda *s: jnp.stack(s), *run_stats)
+            out.append(run_stats)
+        return x_BSD, jax.tree.map(lambda *s: jnp.concatenate(s), *out) if stats else {}
+
+    # -- incremental decoding -------------------------------------------------------------------------------------
+    def cache_shape(self, batch: int, length: int) -> list[dict]:
+        """Each layer's key/value cache (model order) for `batch` rows of up to `length` positions
+        (`layers.kv_cache`): a sliding-window layer keeps its window, latent attention its latent."""
+        return [self._layer(stack, 0).attn.cache_shape(batch, length, local, self.cache_dtype)
+                for (stack, local), _, count in self.runs for _ in range(count)]
+
+    def prefill(self, tokens_BP: jax.Array, lengths_B: jax.Array, cache: list[dict]) -> tuple[jax.Array, list]:
+        """Right-padded prompts (row b: `lengths_B[b]` tokens) -> (the logits after each prompt's last token,
+        the cache filled with the prompts)."""
+        positions_BP = default_positions(tokens_BP)
+        x_BPD, cache = self._cached(self.embed(tokens_BP), positions_BP, cache, lengths_B)
+        last_B1D = jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1)
+        return self.logits(last_B1D)[:, 0], cache
+
+    def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: list[dict]) -> tuple[jax.Array, list]:
+        """New tokens at `positions_BT` (each row's next positions) -> (their logits, the cache with them)."""
+        x_BTD, cache = self._cached(self.embed(tokens_BT), positions_BT, cache)
+        return self.logits(x_BTD), cache
+
+    def _layer(self, stack: str, i: int) -> Block:
+        graphdef, state = nnx.split(getattr(self, stack))
+        return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
+
+    def _cached(self, x_BTD, positions_BT, cache, lengths_B=None):
+        """Every layer in model order with its cache; unrolled whatever `scan_layers` says, so that each layer
+        updates its own cache buffer in place."""
+        out, layers = [], iter(cache)
+        for (stack, local), start, count in self.runs:
+            for i in range(start, start + count):
+                x_BTD, layer_cache = self._layer(stack, i).cached(x_BTD, positions_BT, local, next(layers), lengths_B)
+                out.append(layer_cache)
+        return x_BTD, out
 
     def logits(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and output head."""

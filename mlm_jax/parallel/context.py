@@ -198,7 +198,7 @@ def _manual_spec(mesh, q_BSNH, k_BSKH) -> P:
 
 
 def context_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, mesh: Mesh, strategy: str,
-                      impl: str, window: int | None = None) -> jax.Array:
+                      impl: str, window: int | None = None, local: bool | jax.Array = True) -> jax.Array:
     """Causal attention on a load-balanced sequence sharded over `context` (and batch/heads as `_manual_spec`);
     sliding windows are refused (`validation` says so before anything is traced).
 

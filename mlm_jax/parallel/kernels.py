@@ -50,14 +50,14 @@ def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int],
 
 
 def repeated_kv_heads(q_BSNH, k_BSKH, v_BSKH, *, impl: str, repeat: int, attention: Callable,
-                      window: int | None = None) -> jax.Array:
+                      window: int | None = None, local: bool | jax.Array = True) -> jax.Array:
     """Fewer K/V heads than tensor ranks (`tensor` a multiple of K): each head repeated `repeat` times, so every
     rank holds one copy of the head its query heads read, as Megatron replicates them. Query head n reads
     repeated head n // (N / (K * repeat)) = original head n // (N / K): the same function. The K/V weights stay
     whole on every tensor rank (their `kv_heads` dim does not divide), and only these activations repeat."""
     k_BSTH, v_BSTH = (ax.constrain(jnp.repeat(x, repeat, axis=2), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
                       for x in (k_BSKH, v_BSKH))
-    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl, window=window)
+    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl, window=window, local=local)
 
 
 def load_balance(batch: dict, perm) -> dict:
@@ -67,17 +67,18 @@ def load_balance(batch: dict, perm) -> dict:
     return out
 
 
-def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, window: int | None = None) -> jax.Array:
+def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, window: int | None = None,
+                    local: bool | jax.Array = True) -> jax.Array:
     """Causal attention inside a pipeline stage, in a `shard_map` manual over the axes the stage's is not.
 
     Batch and heads are split as the rules table lays out attention's activations (`resolver`), the sequence never
     (each device needs all of its rows' keys); K/V heads take the query heads' axes, so each device keeps whole
-    GQA groups, or stay whole with them.
+    GQA groups, or stay whole with them. A traced `local` enters the manual region as an operand, so that the
+    choice of window is a `lax.cond` with no collective inside.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    attend = functools.partial(local_attention, impl=impl, window=window)
     if mesh.empty or not mesh.manual_axes:
-        return attend(q_BSNH, k_BSKH, v_BSKH)
+        return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=impl, window=window, local=local)
     free = [a for a in mesh.axis_names if a not in mesh.manual_axes]
 
     def axes(names, shape, dim):
@@ -91,5 +92,9 @@ def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, wi
     if heads is not None and k_BSKH.shape[2] % math.prod(mesh.shape[a] for a in heads):
         heads = None
     spec = PartitionSpec(batch, None, heads, None)
-    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names=set(free),
-                         check_vma=False)(q_BSNH, k_BSKH, v_BSKH)
+    flag = () if isinstance(local, bool) else (local,)
+
+    def attend(q_BSNH, k_BSKH, v_BSKH, *flag):
+        return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=impl, window=window, local=flag[0] if flag else local)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec) + (PartitionSpec(),) * len(flag),
+                         out_specs=spec, axis_names=set(free), check_vma=False)(q_BSNH, k_BSKH, v_BSKH, *flag)

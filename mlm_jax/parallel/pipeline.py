@@ -71,20 +71,24 @@ def _add_at(acc, i, g):
     return jax.tree.map(lambda a, x: a.at[i].add(x.astype(a.dtype)), acc, g)
 
 
-def _split(params, batch, M: int):
-    """(the parameters other than the blocks, the batch as M microbatches with its positions)."""
-    rest = {k: v for k, v in params.items() if k != "blocks"}
+def _split(params, batch, M: int, layout: ChunkLayout):
+    """(the layer stacks, the other parameters, the batch as M microbatches with its positions)."""
+    stacks = {k: v for k, v in params.items() if k in layout.stacks}
+    rest = {k: v for k, v in params.items() if k not in layout.stacks}
     positions_BS = batch["positions"] if "positions" in batch else default_positions(batch["inputs"])
     data = {"tokens": _split_microbatches(batch["inputs"], M, ax.ACT_SEQ_SP),  # the embedding's output layout
             "targets": _split_microbatches(batch["targets"], M, ax.ACT_SEQ),  # the logits' layout
             "positions": _split_microbatches(positions_BS, M, ax.ACT_SEQ)}
-    return rest, data
+    return stacks, rest, data
 
 
 def _layout(params, schedule: Schedule, layout: ChunkLayout | None) -> ChunkLayout:
-    L = jax.tree.leaves(params["blocks"])[0].shape[0]
-    layout = layout or ChunkLayout.even(L, schedule.stages, schedule.virtual)
-    assert (layout.layers, layout.stages, layout.virtual) == (L, schedule.stages, schedule.virtual), layout
+    """`layout`, or an even split of a model whose layers all come from `blocks`."""
+    layout = layout or ChunkLayout.even(jax.tree.leaves(params["blocks"])[0].shape[0], schedule.stages,
+                                        schedule.virtual)
+    assert (layout.stages, layout.virtual) == (schedule.stages, schedule.virtual), layout
+    for stack in layout.stacks:
+        assert jax.tree.leaves(params[stack])[0].shape[0] == len(layout.rows(stack)), (stack, layout)
     return layout
 
 
@@ -95,11 +99,11 @@ def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh
     `layout` (even by default): the mean cross-entropy as `metrics["loss"]` and, for an MoE model (`moe`, its
     config), the MoE losses in the objective and their statistics in the metrics, as the plain step reports them."""
     layout = _layout(params, schedule, layout)
-    rest, data = _split(params, batch, schedule.microbatches)
+    stacks, rest, data = _split(params, batch, schedule.microbatches, layout)
     kw = dict(mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout, moe=moe)
     if schedule.kind == "gpipe":
-        return _gpipe(graphdef, params["blocks"], rest, data, **kw)
-    return _one_f_one_b(graphdef, params["blocks"], rest, data, compute_dtype=compute_dtype, **kw)
+        return _gpipe(graphdef, stacks, rest, data, **kw)
+    return _one_f_one_b(graphdef, stacks, rest, data, compute_dtype=compute_dtype, **kw)
 
 
 def pipeline_loss(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule, loss_fn: Callable,
@@ -107,60 +111,71 @@ def pipeline_loss(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule
     """Mean cross-entropy over the batch through the pipeline's forward ticks (evaluation: the weights stay on
     their stages, and only activations move)."""
     layout = _layout(params, schedule, layout)
-    rest, data = _split(params, batch, schedule.microbatches)
-    loss_of = _forward_loss(graphdef, params["blocks"], rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn,
-                            layout=layout, moe=moe)
-    return loss_of(params["blocks"], _f32(rest), data)[1]
+    stacks, rest, data = _split(params, batch, schedule.microbatches, layout)
+    loss_of = _forward_loss(graphdef, stacks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout,
+                            moe=moe)
+    return loss_of(stacks, _f32(rest), data)[1]
 
 
 class _Stage:
-    """The model pieces one stage (`p`) runs, as functions of explicit parameters; `chunks` are its (V, width, ...)
-    chunk layers."""
+    """The model pieces one stage (`p`) runs, as functions of explicit parameters; `chunks` are its chunk layers,
+    per stack (V, rows, ...)."""
 
     def __init__(self, graphdef, chunks, data, loss_fn, M, moe, layout: ChunkLayout, p):
-        self.graphdef, self.loss_fn, self.M, self.moe, self.layers = graphdef, loss_fn, M, moe, layout.layers
+        self.graphdef, self.loss_fn, self.M, self.moe, self.layout = graphdef, loss_fn, M, moe, layout
         self.tokens, self.targets, self.positions = data["tokens"], data["targets"], data["positions"]
         self.placeholder = _at(chunks, 0)  # merge needs some blocks; the chunk's own are passed explicitly
-        # (V, slots): whether each of the slots that some chunk lacks holds a layer of this stage's chunk v
-        self.optional = jnp.asarray(layout.active[:, :, min(layout.sizes):])[:, p] if layout.uneven else None
+        # (V, width): whether each slot of this stage's chunk v holds a layer, and a sliding-window one
+        slots = layout.chunk_slots
+        self.active = jnp.asarray(layout.active)[:, p] if any(slots.optional) else None
+        self.local = jnp.asarray(layout.local)[:, p] if None in slots.local else None
 
     def model(self, rest):
-        return nnx.merge(self.graphdef, {**rest, "blocks": self.placeholder})
+        return nnx.merge(self.graphdef, {**rest, **self.placeholder})
 
     def embed(self, rest, m):
         return self.model(rest).embed(self.tokens[m])
 
-    def chunk(self, rest, chunk_blocks, x_bSD, v, m):
-        """Chunk v's output and its layers' MoE routing statistics ({} for dense blocks)."""
+    def chunk(self, rest, chunk_pools, x_bSD, v, m):
+        """Chunk v's output and each of its slots' MoE routing statistics ({} for a model without experts)."""
         x_bSD = ax.constrain(x_bSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
-        optional = None if self.optional is None else self.optional[v]
-        return self.model(rest).run_blocks(x_bSD, self.positions[m], chunk_blocks, optional=optional)
+        pick = lambda table: None if table is None else table[v]  # noqa: E731
+        return self.model(rest).run_chunk(x_bSD, self.positions[m], chunk_pools, self.layout.chunk_slots,
+                                          pick(self.active), pick(self.local))
 
     def moe_term(self, stats) -> jax.Array:
-        """The chunk's share of the MoE losses in the objective: means over all MoE layers and microbatches."""
+        """The chunk's share of the MoE losses in the objective: means over all MoE layers and microbatches (a slot
+        without an MoE layer adds zeros)."""
         if not stats:
             return jnp.zeros((), jnp.float32)
         total = self.moe.aux_loss_coef * jnp.sum(stats["aux_loss"]) + self.moe.z_loss_coef * jnp.sum(stats["z_loss"])
-        return total.astype(jnp.float32) / (self.layers * self.M)
+        return total.astype(jnp.float32) / (len(self.layout.rows("blocks")) * self.M)
 
     def loss(self, rest, y_bSD, m):
         """This microbatch's share of the mean loss (all microbatches have the same number of tokens)."""
         return self.loss_fn(self.model(rest).logits(y_bSD), self.targets[m]) / self.M
 
 
-def _specs(blocks, rest, layout: ChunkLayout):
-    """The canonical blocks enter the stages as their blocks of L/P layers (whole where P does not divide L)."""
-    spec = PartitionSpec(STAGE) if layout.sharded else PartitionSpec()
-    return jax.tree.map(lambda _: spec, blocks), jax.tree.map(lambda _: PartitionSpec(), rest)
+def _specs(stacks, rest, layout: ChunkLayout):
+    """Each canonical stack enters the stages as its blocks of n/P layers (whole where P does not divide n)."""
+    def spec(stack):
+        return PartitionSpec(STAGE) if layout.pools[stack].sharded else PartitionSpec()
+    return ({k: jax.tree.map(lambda _: spec(k), v) for k, v in stacks.items()},
+            jax.tree.map(lambda _: PartitionSpec(), rest))
 
 
-def _gathered(layout: ChunkLayout, block, dtype):
-    """(this stage's (V, width, ...) chunk layers in `dtype`, the map of their fp32 gradients back to `block`'s):
-    the weights are cast before they move, and the gradients move in fp32."""
+def _gathered(layout: ChunkLayout, stacks, dtype=None):
+    """(this stage's chunk layers per stack, (V, rows, ...), in `dtype`, the map of their fp32 gradients back to the
+    stacks' blocks): the weights are cast before they move, and the gradients move in fp32."""
+    pools = layout.pools
+
     def to_block(g_chunks):
-        g = layout.scatter(g_chunks)
-        return g if layout.sharded else jax.lax.psum(g, STAGE)  # each stage holds the gradient of its own layers
-    return layout.gather(_cast_floating(block, dtype)), to_block
+        def back(stack, g):
+            g = pools[stack].scatter(g)
+            return g if pools[stack].sharded else jax.lax.psum(g, STAGE)  # each stage holds its own layers' part
+        return {k: back(k, g) for k, g in g_chunks.items()}
+    cast = stacks if dtype is None else _cast_floating(stacks, dtype)
+    return {k: pools[k].gather(v) for k, v in cast.items()}, to_block
 
 
 def _cast_floating(tree, dtype):
@@ -278,7 +293,7 @@ def _stash_plan(schedule: Schedule, segments):
             _read(w_rows, cot_where), cot_slots)
 
 
-def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layout, compute_dtype, moe):
+def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layout, compute_dtype, moe):
     """Circular 1F1B (and zb1): the forward slot runs a chunk under `jax.vjp` and stashes its residuals, the
     backward slot rebuilds that pullback; no chunk is computed twice. zb1's deferred ticks split the backward
     into B (input gradient; the cotangents W needs are stashed) and a W slot that runs where the table says.
@@ -397,26 +412,27 @@ def _one_f_one_b(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layou
         return (jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), to_block(g_blocks),
                 jax.tree.map(lambda a: a[:, None], stats))  # (V, 1, width, ...): this stage's part
 
-    blocks_spec, rest_spec = _specs(blocks, rest, layout)
-    loss, g_rest, g_blocks, stats = jax.shard_map(
-        per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
-        out_specs=(PartitionSpec(), rest_spec, blocks_spec, PartitionSpec(None, STAGE)), axis_names={STAGE},
+    stacks_spec, rest_spec = _specs(stacks, rest, layout)
+    loss, g_rest, g_stacks, stats = jax.shard_map(
+        per_stage, mesh=mesh, in_specs=(stacks_spec, rest_spec, PartitionSpec()),
+        out_specs=(PartitionSpec(), rest_spec, stacks_spec, PartitionSpec(None, STAGE)), axis_names={STAGE},
         check_vma=False,
-    )(blocks, rest, data)
-    return _metrics(loss, stats, layout), {**g_rest, "blocks": g_blocks}
+    )(stacks, rest, data)
+    return _metrics(loss, stats, layout), {**g_rest, **g_stacks}
 
 
 def _metrics(loss, stats_VPW, layout: ChunkLayout) -> dict:
-    """The step's metrics as the plain step reports them: MoE statistics per layer, in model order."""
+    """The step's metrics as the plain step reports them: MoE statistics per MoE layer, in model order."""
     if not stats_VPW:
         return {"loss": loss}
-    stats = layout.canonical(stats_VPW)
+    moe_layers = jnp.asarray(layout.rows("blocks"))
+    stats = jax.tree.map(lambda a: a[moe_layers], layout.canonical(stats_VPW))
     return {"loss": loss, "moe_aux_loss": jnp.mean(stats["aux_loss"]), "moe_z_loss": jnp.mean(stats["z_loss"]),
             "moe_dropped": stats["dropped"], "moe_load": stats["load"]}
 
 
-def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layout, moe) -> Callable:
-    """`loss(blocks, rest, data) -> (objective, cross-entropy, per-chunk statistics)` through the schedule's forward
+def _forward_loss(graphdef, stacks, rest, *, mesh, schedule, loss_fn, layout, moe) -> Callable:
+    """`loss(stacks, rest, data) -> (objective, cross-entropy, per-chunk statistics)` through the schedule's forward
     ticks (every schedule runs forward f at tick f + p), means over the batch. The chunk runs on every stage at
     every tick, its results discarded where the table says idle, so collectives inside it run on all devices.
 
@@ -431,7 +447,7 @@ def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layout, mo
 
     def per_stage(block, rest, data):
         p = jax.lax.axis_index(STAGE)
-        blocks = layout.gather(block)
+        blocks = _gathered(layout, block)[0]
         rest = jax.tree.map(lambda a, d: a.astype(d), rest, dtypes)
         st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layout, p)
 
@@ -455,20 +471,20 @@ def _forward_loss(graphdef, blocks, rest, *, mesh, schedule, loss_fn, layout, mo
         loss, term = jax.lax.psum(loss, STAGE), jax.lax.psum(term, STAGE)
         return loss + term, loss, jax.tree.map(lambda a: a[:, None], stats)
 
-    blocks_spec, rest_spec = _specs(blocks, rest, layout)
-    return jax.shard_map(per_stage, mesh=mesh, in_specs=(blocks_spec, rest_spec, PartitionSpec()),
+    stacks_spec, rest_spec = _specs(stacks, rest, layout)
+    return jax.shard_map(per_stage, mesh=mesh, in_specs=(stacks_spec, rest_spec, PartitionSpec()),
                          out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(None, STAGE)),
                          axis_names={STAGE}, check_vma=False)
 
 
-def _gpipe(graphdef, blocks, rest, data, *, mesh, schedule, loss_fn, layout, moe):
-    loss_of = _forward_loss(graphdef, blocks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout,
+def _gpipe(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layout, moe):
+    loss_of = _forward_loss(graphdef, stacks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout,
                             moe=moe)
 
-    def objective(blocks, rest):
-        total, loss, stats = loss_of(blocks, rest, data)
+    def objective(stacks, rest):
+        total, loss, stats = loss_of(stacks, rest, data)
         return total, (loss, stats)
 
-    (_, (loss, stats)), (g_blocks, g_rest) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
-        blocks, _f32(rest))
-    return _metrics(loss, stats, layout), {**g_rest, "blocks": g_blocks}
+    (_, (loss, stats)), (g_stacks, g_rest) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+        stacks, _f32(rest))
+    return _metrics(loss, stats, layout), {**g_rest, **g_stacks}

@@ -1,17 +1,19 @@
 """How the layers split into pipeline chunks, and how each stage gathers its chunks' layers from the canonical
-(L, ...) parameters.
+(n, ...) parameter stacks.
 
 Chunk c = v*P + p (V virtual chunks on each of P stages) holds `sizes[c]` consecutive layers, in model order.
 An even split gives every chunk L/(V*P); `balanced` takes layers off the chunks that also run the embedding (the
 first) and the vocabulary head and loss (the last), as far as a matmul-FLOP cost model says that shortens the
 slowest chunk (Megatron's `num_layers_in_last_pipeline_stage` / `account_for_loss_in_pipeline_split`, computed);
 a list gives the sizes. In the SPMD program every chunk has room for the longest one (`width` layers): the
-missing layers of a shorter chunk are skipped (`active`), not computed.
+missing layers of a shorter chunk are skipped, not computed, and so are the kinds a slot holds in other chunks
+only (an MoE model's dense layers, Gemma's full-attention layers among sliding-window ones).
 
-The parameters stay canonical, their layer dim sharded over `stage` in contiguous blocks of L/P when P divides
-it (else whole on every stage). A stage's chunks need other layers than its block as soon as V > 1 or the split
-is uneven; `ChunkLayout.gather` fetches those with one `ppermute` per stage distance, whose transpose (autodiff,
-or `jax.vjp`) returns the chunks' gradients to the canonical blocks.
+Each parameter stack (`blocks`, and an MoE model's `dense_blocks`) stays canonical, its layer dim sharded over
+`stage` in contiguous blocks when P divides it (else whole on every stage). A stage's chunks need other layers than
+its block as soon as V > 1, the split is uneven or the layers differ by kind; `StackPool.gather` fetches those with
+one `ppermute` per stage distance, whose transpose (autodiff, or `jax.vjp`) returns the chunks' gradients to the
+canonical blocks.
 """
 from __future__ import annotations
 
@@ -24,22 +26,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlm_jax.config import ConfigError, ModelConfig
+from mlm_jax.layers.transformer import ChunkSlots, Kind
 
 STAGE = "stage"
 SPLITS = ("even", "balanced")  # or a list of chunk sizes
 
 
 def layer_flops(m: ModelConfig, seq_len: int) -> float:
-    """Forward matmul FLOPs per token of one block: projections, causal attention and the (routed) FFN."""
+    """Forward matmul FLOPs per token of a block, the mean over the model's layers: projections, causal attention
+    and the FFN (routed experts in an MoE layer, the dense FFN in the others)."""
     hd = m.dim_per_head
     attention = 2 * m.hidden_size * hd * (2 * m.num_heads + 2 * m.kv_heads) + 2 * seq_len * m.num_heads * hd
-    mats = 3 if m.activation == "swiglu" else 2
-    if m.moe.enabled:  # a pipelined MoE model has MoE blocks only
-        ffn = 2 * mats * m.hidden_size * m.expert_ffn * (m.moe.top_k + m.moe.shared_experts)
-        ffn += 2 * m.hidden_size * m.moe.num_experts
-    else:
-        ffn = 2 * mats * m.hidden_size * m.ffn_size
-    return attention + ffn
+    mats = 2 if m.activation == "gelu" else 3
+    dense = 2 * mats * m.hidden_size * m.ffn_size
+    if not m.moe.enabled:
+        return attention + dense
+    routed = 2 * mats * m.hidden_size * m.expert_ffn * (m.moe.top_k + m.moe.shared_experts)
+    routed += 2 * m.hidden_size * m.moe.num_experts
+    moe_layers = sum(m.moe.is_moe_layer(i) for i in range(m.num_layers))
+    return attention + (moe_layers * routed + (m.num_layers - moe_layers) * dense) / m.num_layers
 
 
 def head_flops(m: ModelConfig) -> float:
@@ -97,11 +102,21 @@ def chunk_sizes(split, m: ModelConfig, seq_len: int, stages: int, virtual: int) 
 
 @dataclass(frozen=True)
 class ChunkLayout:
-    """Where each chunk's layers come from: `sizes[c]` layers for chunk c = v*P + p, in model order."""
+    """Where each chunk's layers come from: `sizes[c]` consecutive layers for chunk c = v*P + p, in model order.
+
+    Every chunk runs the same `width` slots, each of one parameter stack (`kinds`, per model layer: its stack, and
+    whether it attends through the sliding window; `layers.transformer.layer_kinds`): the shortest sequence of
+    stacks into which every chunk's sequence fits in order, a chunk's layers taking the earliest slots that fit.
+    A chunk leaves the other slots empty (skipped, not computed). A slot's layer is a sliding-window one in some
+    chunks and a full one in others where the pattern says so; the window is then chosen at run time, inside the
+    attention kernel. No slot chooses between stacks (an MoE model's dense and MoE layers): the stages run different
+    chunks at the same tick, and the branches of such a choice would own different collectives.
+    """
 
     sizes: tuple[int, ...]
     stages: int
     virtual: int
+    kinds: tuple[Kind, ...] | None = None  # per model layer; None: every layer a full-attention layer of `blocks`
 
     @classmethod
     def even(cls, layers: int, stages: int, virtual: int) -> ChunkLayout:
@@ -111,34 +126,59 @@ class ChunkLayout:
     def layers(self) -> int:
         return sum(self.sizes)
 
-    @property
-    def width(self) -> int:
-        """The layers a chunk has room for: the longest chunk's."""
-        return max(self.sizes)
+    @cached_property
+    def layer_kinds(self) -> tuple[Kind, ...]:
+        return self.kinds or (("blocks", False),) * self.layers
 
     @property
-    def uneven(self) -> bool:
-        return len(set(self.sizes)) > 1
+    def stacks(self) -> tuple[str, ...]:
+        """The parameter stacks the layers come from."""
+        return tuple(sorted({stack for stack, _ in self.layer_kinds}))
 
-    @property
-    def sharded(self) -> bool:
-        """Whether the canonical layer dim is split over the stages (in blocks of L/P), or whole on each."""
-        return self.stages > 1 and self.layers % self.stages == 0
+    def rows(self, stack: str) -> list[int]:
+        """The model layers `stack` holds, in order (its rows)."""
+        return [l for l, (s, _) in enumerate(self.layer_kinds) if s == stack]
 
     @cached_property
-    def slots(self) -> np.ndarray:
-        """[v, p, i]: the canonical layer of slot i of chunk (v, p), -1 past the chunk's end."""
-        V, P, W = self.virtual, self.stages, self.width
+    def _aligned(self) -> tuple[tuple[str, ...], np.ndarray]:
+        """(the slots' stacks, [v, p, i] the model layer in slot i of chunk (v, p) or -1)."""
         starts = np.cumsum((0,) + self.sizes)
-        out = np.full((V, P, W), -1, np.int64)
-        for c, n in enumerate(self.sizes):
-            out[c // P, c % P, :n] = np.arange(starts[c], starts[c] + n)
-        return out
+        chunks = [list(range(starts[c], starts[c] + n)) for c, n in enumerate(self.sizes)]
+        stacks, places = supersequence([[self.layer_kinds[l][0] for l in layers] for layers in chunks])
+        out = np.full((self.virtual, self.stages, len(stacks)), -1, np.int64)
+        for c, (layers, where) in enumerate(zip(chunks, places)):
+            out[c // self.stages, c % self.stages, where] = layers
+        return tuple(stacks), out
+
+    @property
+    def slots(self) -> np.ndarray:
+        """[v, p, i]: the canonical layer of slot i of chunk (v, p), -1 where the chunk leaves it empty."""
+        return self._aligned[1]
+
+    @property
+    def width(self) -> int:
+        """The slots every chunk has: at least the longest chunk's layer count."""
+        return self.slots.shape[2]
 
     @cached_property
     def active(self) -> np.ndarray:
         """[v, p, i]: whether slot i of chunk (v, p) holds a layer."""
         return self.slots >= 0
+
+    @cached_property
+    def local(self) -> np.ndarray:
+        """[v, p, i]: whether slot i of chunk (v, p) holds a sliding-window layer."""
+        return np.vectorize(lambda l: l >= 0 and self.layer_kinds[l][1], otypes=[bool])(self.slots)
+
+    @cached_property
+    def chunk_slots(self) -> ChunkSlots:
+        """The slots as the model runs them (`Transformer.run_chunk`)."""
+        V, P, W = self.slots.shape
+        used = self.active.reshape(V * P, W)
+        local = self.local.reshape(V * P, W)
+        kinds = [set(local[used[:, i], i].tolist()) for i in range(W)]
+        return ChunkSlots(stacks=self._aligned[0], optional=tuple(bool(not used[:, i].all()) for i in range(W)),
+                          local=tuple(k.pop() if len(k) == 1 else None for k in kinds))
 
     @cached_property
     def position(self) -> np.ndarray:
@@ -148,10 +188,88 @@ class ChunkLayout:
         out[flat[flat >= 0]] = np.nonzero(flat >= 0)[0]
         return out
 
+    @cached_property
+    def pools(self) -> dict[str, StackPool]:
+        """Per stack, the gather of its canonical (n, ...) weights into each stage's (V, slots of that stack, ...)
+        chunk layers."""
+        out = {}
+        for stack in self.stacks:
+            row_of = {l: r for r, l in enumerate(self.rows(stack))}
+            mine = [i for i, s in enumerate(self._aligned[0]) if s == stack]
+            rows = np.vectorize(lambda l: row_of.get(l, -1), otypes=[np.int64])(self.slots[:, :, mine])
+            out[stack] = StackPool(rows, len(row_of), self.stages, self.virtual)
+        return out
+
+    def canonical(self, tree_VPW):
+        """(V, P, width, ...) leaves (per-slot values of every stage) -> (L, ...), in model order."""
+        pos = jnp.asarray(self.position)
+        return jax.tree.map(lambda a: jnp.take(a.reshape(-1, *a.shape[3:]), pos, axis=0), tree_VPW)
+
+
+def supersequence(seqs: list[list]) -> tuple[list, list[list[int]]]:
+    """A short common supersequence of `seqs` and, per sequence, the positions its items take in it (each the
+    earliest that keeps the rest optimal): pairwise shortest supersequences, longest sequence first. One sequence's
+    prefixes (an even or uneven split of one kind of layer) give the longest one, each aligned at its start."""
+    order = sorted(range(len(seqs)), key=lambda j: -len(seqs[j]))
+    merged, places = list(seqs[order[0]]), {order[0]: list(range(len(seqs[order[0]])))}
+    for j in order[1:]:
+        merged, old_to_new, places[j] = _pair_supersequence(merged, seqs[j])
+        for k in places:
+            if k != j:
+                places[k] = [old_to_new[i] for i in places[k]]
+    return merged, [places[j] for j in range(len(seqs))]
+
+
+def _pair_supersequence(a: list, b: list) -> tuple[list, list[int], list[int]]:
+    """The shortest common supersequence of a and b, and where each item of a and of b lands in it."""
+    n, m = len(a), len(b)
+    rest = np.zeros((n + 1, m + 1), np.int64)  # rest[i, j]: the shortest supersequence of a[i:] and b[j:]
+    rest[n, :], rest[:, m] = m - np.arange(m + 1), n - np.arange(n + 1)
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            rest[i, j] = 1 + (rest[i + 1, j + 1] if a[i] == b[j] else min(rest[i + 1, j], rest[i, j + 1]))
+    out, at_a, at_b, i, j = [], [], [], 0, 0
+    while i < n or j < m:
+        if i < n and j < m and a[i] == b[j]:
+            at_a.append(len(out)), at_b.append(len(out))
+            out.append(a[i])
+            i, j = i + 1, j + 1
+        elif i < n and (j == m or rest[i + 1, j] <= rest[i, j + 1]):
+            at_a.append(len(out))
+            out.append(a[i])
+            i += 1
+        else:
+            at_b.append(len(out))
+            out.append(b[j])
+            j += 1
+    return out, at_a, at_b
+
+
+class StackPool:
+    """One parameter stack's share of the chunks: `slots[v, p, j]` is the stack row (-1: none) that row j of chunk
+    (v, p)'s pool holds. The stack's rows are split over the stages in contiguous blocks when P divides them (as the
+    rules table shards the `layers` dim), else whole on each stage."""
+
+    def __init__(self, slots: np.ndarray, length: int, stages: int, virtual: int):
+        self.slots, self.length, self.stages, self.virtual = slots, length, stages, virtual
+
+    @property
+    def width(self) -> int:
+        return self.slots.shape[2]
+
+    @cached_property
+    def active(self) -> np.ndarray:
+        return self.slots >= 0
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the canonical layer dim is split over the stages (in blocks of n/P), or whole on each."""
+        return self.stages > 1 and self.length % self.stages == 0
+
     @property
     def _block(self) -> int:
         """Canonical rows each stage holds."""
-        return self.layers // self.stages if self.sharded else self.layers
+        return self.length // self.stages if self.sharded else self.length
 
     @cached_property
     def _moves(self):
@@ -197,8 +315,8 @@ class ChunkLayout:
 
     def gather(self, block):
         """Inside the stages' `shard_map`: this stage's (V, width, ...) chunk layers from its canonical `block`
-        ((L/P, ...) or (L, ...) leaves); slots past a chunk's end hold some layer of the block, unused. Its
-        gradient is `scatter`."""
+        ((n/P, ...) or (n, ...) leaves); rows no layer fills hold some layer of the block, unused. Its gradient is
+        `scatter`."""
         V, W = self.virtual, self.width
         if self.moves_nothing:
             return jax.tree.map(lambda a: a.reshape(V, W, *a.shape[1:]), block)
@@ -246,8 +364,3 @@ class ChunkLayout:
                 at += n
             return jnp.take(jnp.concatenate(parts + [zero]), jnp.asarray(back)[p], axis=0)
         return jax.tree.map(one, g_chunks)
-
-    def canonical(self, tree_VPW):
-        """(V, P, width, ...) leaves (per-slot values of every stage) -> (L, ...), in model order."""
-        pos = jnp.asarray(self.position)
-        return jax.tree.map(lambda a: jnp.take(a.reshape(-1, *a.shape[3:]), pos, axis=0), tree_VPW)

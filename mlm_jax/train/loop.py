@@ -19,6 +19,7 @@ from mlm_jax import data as data_lib
 from mlm_jax.data.dataset import build_datasets
 from mlm_jax.config import Config, ConfigError, to_yaml
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers.transformer import layer_kinds
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import any_process, shared_time
 from mlm_jax.parallel.mesh import build_mesh, dcn_degrees
@@ -158,7 +159,8 @@ class Trainer:
         if schedule is not None:
             split = p.pipeline_layers if self.degrees["stage"] > 1 else "even"
             self.chunks = chunks or ChunkLayout(chunk_sizes(split, cfg.model, cfg.train.seq_len, schedule.stages,
-                                                            schedule.virtual), schedule.stages, schedule.virtual)
+                                                            schedule.virtual), schedule.stages, schedule.virtual,
+                                                layer_kinds(cfg.model))
             kw = dict(mesh=self.mesh, schedule=schedule, loss_fn=cross_entropy, moe=moe, layout=self.chunks)
             pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef,
                                          compute_dtype=jnp.dtype(cfg.model.dtype), **kw)
@@ -209,6 +211,12 @@ class Trainer:
                      for k, v in (("inputs", inputs), ("targets", targets))}
             losses.append(self._eval_step(self.state.params, batch))
         return float(np.mean(jax.device_get(losses)))
+
+    def evaluate_tasks(self) -> dict[str, float]:
+        """`eval.tasks` through lm-evaluation-harness on the current weights, with the run's tokenizer and
+        `train.seq_len` as the context: `eval/<task>/<metric>` for each number it reports."""
+        from mlm_jax.eval.tasks import evaluate_training
+        return evaluate_training(self.model, self.cfg)
 
     def save(self) -> None:
         """Starts an async save of the current state (training goes on while it is written)."""
@@ -266,6 +274,11 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                 if t.eval_every and (done % t.eval_every == 0 or done == end):
                     rec = {"step": done, "eval_loss": self.evaluate()}
+                    records.append(rec)
+                    self.log.write(rec)
+                    window_start = time.perf_counter()
+                if self.cfg.eval.tasks and self.cfg.eval.every and (done % self.cfg.eval.every == 0 or done == end):
+                    rec = {"step": done, **self.evaluate_tasks()}
                     records.append(rec)
                     self.log.write(rec)
                     window_start = time.perf_counter()

@@ -69,6 +69,9 @@ class MetricsLog:
         for key in ("loss", "eval_loss"):
             if key in r:
                 parts.append(f"{key} {r[key]:.4f}" if r[key] is not None else f"{key} nan")
+        tasks = {k[len("eval/"):]: v for k, v in r.items() if k.startswith("eval/") and "_stderr" not in k}
+        parts += [f"{k} {v:.4g}" if v is not None else f"{k} nan" for k, v in tasks.items()]
+        evaluation = "eval_loss" in r or bool(tasks)  # printed on a line of its own, without an ETA
         if r.get("tokens_per_s"):
             parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
         if r.get("mfu") is not None:
@@ -76,11 +79,11 @@ class MetricsLog:
         if r.get("skipped_steps"):
             parts.append(f"skipped {r['skipped_steps']}")
         done = r["step"] / self.total if self.total else 1.0
-        if 0 < done < 1 and "eval_loss" not in r:
+        if 0 < done < 1 and not evaluation:
             eta = (time.perf_counter() - self.start) * (1 - done) / done
             parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
         line = " | ".join(parts)
-        if self.tty and "eval_loss" not in r:
+        if self.tty and not evaluation:
             sys.stdout.write("\r\033[K" + line)
             self.open_line = True
         else:

@@ -1,0 +1,249 @@
+"""Text generation: `mlm_jax.generate(model, prompts, ...)`, and `python -m mlm_jax.generate PATH --prompt TEXT`.
+
+A batch of prompts of any lengths is right-padded to a bucket (a power of two), run once through the model to fill
+a preallocated key/value cache (`Transformer.prefill`), then decoded one token per step (`Transformer.decode`)
+inside one jitted `lax.while_loop` that stops when every row has produced a stop token or `max_new_tokens`: one
+compiled program per (batch, prompt bucket, cache bucket), whatever the lengths and step counts. The model runs
+where its parameters are: on one device, or sharded over several (tensor parallelism, `load_pretrained(...,
+tensor=N)`, or a trainer's layout), its activations laid out by the same rules table as in training.
+
+Shapes: B prompts, P padded prompt length, C cache length, V vocabulary.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mlm_jax.layers import axes as ax
+from mlm_jax.layers.transformer import Transformer
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int) -> int:
+    """The padded length for `n`: the next power of two, at least MIN_BUCKET."""
+    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             stop_tokens: Sequence[int] = (), rules=None) -> list[list[int]]:
+    """The new tokens of each prompt (a list of token ids, any length): up to `max_new_tokens`, ending with the
+    first of `stop_tokens` produced (included). `temperature` 0 is greedy; otherwise tokens are sampled at that
+    temperature from the `top_k` most likely and the smallest set whose probability reaches `top_p`, reproducibly
+    for a `seed`. `rules` (a rules table, default the trainer's default) lays out the activations of a model
+    sharded over several devices."""
+    run = Run(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, rules)
+    with run.context():
+        out_BN, steps = _generate(run.graphdef, run.state, run.tokens_BP, run.lengths_B, run.cache,
+                                  run.put(np.zeros((len(prompts), bucket(max_new_tokens)), np.int32)),
+                                  max_new_tokens, run.temperature, run.top_p, run.key, run.stops, run.top_k,
+                                  run.greedy)
+    return run.finish(np.asarray(out_BN)[:, :int(steps)])
+
+
+def stream(model: Transformer, prompt: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_tokens: Sequence[int] = (),
+           rules=None) -> Iterator[int]:
+    """`generate` of one prompt, yielding each new token as soon as it is produced (one jitted step each)."""
+    run = Run(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, rules)
+    with run.context():
+        token_B, cache = _prefill(run.graphdef, run.state, run.tokens_BP, run.lengths_B, run.cache,
+                                  run.temperature, run.top_p, run.key, run.top_k, run.greedy)
+        positions_B = run.lengths_B
+        for t in range(max_new_tokens):
+            token = int(token_B[0])
+            yield token
+            if token in run.stop_set or t + 1 == max_new_tokens:
+                return
+            token_B, cache = _step(run.graphdef, run.state, token_B, positions_B + t, cache, run.temperature,
+                                   run.top_p, jax.random.fold_in(run.key, t + 1), run.top_k, run.greedy)
+
+
+class Run:
+    """One call's checked inputs, padded batch, cache and sampling settings, on the model's devices."""
+
+    def __init__(self, model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, rules):
+        vocab = model.embed.embedding.shape[0]
+        check(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, vocab)
+        self.graphdef, self.state = nnx.split(model)
+        leaf = jax.tree.leaves(self.state)[0]
+        sharding = getattr(leaf, "sharding", None)
+        self.mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
+        if rules is None:
+            from mlm_jax.parallel.rules import make_rules
+            rules = make_rules("default", False)
+        self.rules = rules
+        lengths = [len(p) for p in prompts]
+        B, P = len(prompts), bucket(max(lengths))
+        tokens = np.zeros((B, P), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = p
+        self.tokens_BP, self.lengths_B = self.put(tokens), self.put(np.asarray(lengths, np.int32))
+        C = bucket(max(lengths) + max_new_tokens)
+        shapes = model.cache_shape(B, C)
+        with self.context():
+            self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                                 out_shardings=self.cache_shardings(shapes))()
+        self.greedy, self.top_k = temperature == 0, top_k
+        self.temperature = jnp.float32(temperature or 1.0)
+        self.top_p = None if top_p is None else jnp.float32(top_p)
+        self.key = jax.random.key(seed)
+        self.stop_set = {int(t) for t in stop_tokens}
+        self.stops = jnp.asarray(sorted(self.stop_set) or [-1], jnp.int32)
+
+    def put(self, x: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
+    def cache_shardings(self, shapes):
+        if self.mesh is None:
+            return None
+        resolve = self._resolver()
+        names = {3: (ax.ACT_BATCH, None, None), 4: (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)}
+        return jax.tree.map(lambda s: resolve(names[len(s.shape)], s.shape), shapes)
+
+    def _resolver(self):
+        from mlm_jax.parallel.sharding import activation_resolver
+        return activation_resolver(self.mesh, self.rules)
+
+    def context(self):
+        """Activation layouts and kernels of the model's mesh while tracing (nothing on one device)."""
+        if self.mesh is None:
+            return _Null()
+        return _MeshContext(self._resolver(), self.mesh)
+
+    def finish(self, out_BN: np.ndarray) -> list[list[int]]:
+        """Each row's tokens up to and including its first stop token."""
+        result = []
+        for row in out_BN.tolist():
+            stop = next((i for i, t in enumerate(row) if t in self.stop_set), None)
+            result.append(row if stop is None else row[:stop + 1])
+        return result
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _MeshContext:
+    """The rules table's activation layouts, and the expert-parallel kernel of an MoE model whose tokens or
+    experts are split (as the trainer installs them)."""
+
+    def __init__(self, resolver, mesh):
+        from mlm_jax.parallel.expert import expert_parallel_ffn
+        self.stack = [ax.activation_resolver(resolver)]
+        if any(size > 1 for size in mesh.shape.values()):
+            self.stack.append(ax.kernels(**{ax.EXPERT_FFN: functools.partial(expert_parallel_ffn, mesh=mesh)}))
+
+    def __enter__(self):
+        for c in self.stack:
+            c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for c in reversed(self.stack):
+            c.__exit__(*exc)
+        return False
+
+
+def check(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, vocab: int) -> None:
+    """One-line ValueErrors for what `generate` cannot run."""
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt (a list of token ids)")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+        bad = [t for t in p if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompts[{i}] holds token {bad[0]}, outside the model's vocabulary of {vocab}")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r}: expected a number >= 0 (0 = greedy)")
+    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= vocab):
+        raise ValueError(f"top_k={top_k!r}: expected an integer from 1 to the vocabulary size {vocab}, or None")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: expected a probability in (0, 1], or None")
+    bad = [t for t in stop_tokens if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"stop_tokens holds {bad[0]}, outside the model's vocabulary of {vocab}")
+
+
+def sample(logits_BV: jax.Array, key, temperature, top_p, top_k: int | None, greedy: bool) -> jax.Array:
+    """The next token of each row: the most likely (greedy), or drawn at `temperature` from the `top_k` most
+    likely and the smallest set whose probability reaches `top_p` (the most likely always kept)."""
+    if greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    if top_k is not None:
+        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    if top_p is not None:
+        sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # probability of the tokens ranked above
+        cut_B1 = jnp.min(jnp.where(before_BV < top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        logits_BV = jnp.where(logits_BV < cut_B1, -jnp.inf, logits_BV)
+    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "greedy"), donate_argnames=("cache",))
+def _prefill(graphdef, state, tokens_BP, lengths_B, cache, temperature, top_p, key, top_k, greedy):
+    logits_BV, cache = nnx.merge(graphdef, state).prefill(tokens_BP, lengths_B, cache)
+    return sample(logits_BV, key, temperature, top_p, top_k, greedy), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "greedy"), donate_argnames=("cache",))
+def _step(graphdef, state, token_B, positions_B, cache, temperature, top_p, key, top_k, greedy):
+    logits_B1V, cache = nnx.merge(graphdef, state).decode(token_B[:, None], positions_B[:, None], cache)
+    return sample(logits_B1V[:, 0], key, temperature, top_p, top_k, greedy), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "greedy"), donate_argnames=("cache", "out_BN"))
+def _generate(graphdef, state, tokens_BP, lengths_B, cache, out_BN, max_new_tokens, temperature, top_p, key,
+              stops_S, top_k, greedy):
+    """`out_BN` filled with new tokens, and how many steps ran: the prefill's token, then decode steps until every
+    row has stopped or `max_new_tokens` (traced, at most N: any count compiles once)."""
+    model = nnx.merge(graphdef, state)
+    logits_BV, cache = model.prefill(tokens_BP, lengths_B, cache)
+    token_B = sample(logits_BV, key, temperature, top_p, top_k, greedy)
+    out_BN = out_BN.at[:, 0].set(token_B)
+    done_B = jnp.isin(token_B, stops_S)
+
+    def running(carry):
+        t, _, _, done_B, _ = carry
+        return (t < max_new_tokens) & ~jnp.all(done_B)
+
+    def step(carry):
+        t, token_B, cache, done_B, out_BN = carry
+        logits_B1V, cache = model.decode(token_B[:, None], (lengths_B + t - 1)[:, None], cache)
+        token_B = sample(logits_B1V[:, 0], jax.random.fold_in(key, t), temperature, top_p, top_k, greedy)
+        out_BN = jax.lax.dynamic_update_index_in_dim(out_BN, token_B, t, axis=1)
+        return t + 1, token_B, cache, done_B | jnp.isin(token_B, stops_S), out_BN
+
+    t, _, _, _, out_BN = jax.lax.while_loop(running, step, (jnp.int32(1), token_B, cache, done_B, out_BN))
+    return out_BN, t
+
+
+class _CallableModule(types.ModuleType):
+    """`mlm_jax.generate(...)` calls `generate` even once this module is imported (which makes `mlm_jax.generate`
+    the module)."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
