@@ -3,7 +3,8 @@
 A batch of prompts of any lengths is right-padded to a bucket (a power of two), run once through the model to fill
 a preallocated key/value cache (`Transformer.prefill`), then decoded one token per step (`Transformer.decode`)
 inside one jitted `lax.while_loop` that stops when every row has produced a stop token or `max_new_tokens`: one
-compiled program per (batch, prompt bucket, cache bucket), whatever the lengths and step counts. The model runs
+compiled program per (batch, prompt bucket, cache size in steps of CACHE_STEP), whatever the lengths and step
+counts. The model runs
 where its parameters are: on one device, or sharded over several (tensor parallelism, `load_pretrained(...,
 tensor=N)`, or a trainer's layout), its activations laid out by the same rules table as in training.
 
@@ -11,7 +12,9 @@ Shapes: B prompts, P padded prompt length, C cache length, V vocabulary.
 """
 from __future__ import annotations
 
+import argparse
 import functools
+import math
 import sys
 import types
 from collections.abc import Iterator, Sequence
@@ -23,8 +26,10 @@ from flax import nnx
 
 from mlm_jax.layers import axes as ax
 from mlm_jax.layers.transformer import Transformer
+from mlm_jax.parallel.rules import DATA_AXES, make_rules
 
 MIN_BUCKET = 16
+CACHE_STEP = 128
 
 
 def bucket(n: int) -> int:
@@ -42,29 +47,35 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     sharded over several devices."""
     run = Run(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, rules)
     with run.context():
-        out_BN, steps = _generate(run.graphdef, run.state, run.tokens_BP, run.lengths_B, run.cache,
-                                  run.put(np.zeros((len(prompts), bucket(max_new_tokens)), np.int32)),
-                                  max_new_tokens, run.temperature, run.top_p, run.key, run.stops, run.top_k,
-                                  run.greedy)
+        out_BN, steps = _generate(run.graphdef, run.state, run.layers, run.tokens_BP, run.lengths_B,
+                                  run.put(np.zeros((run.tokens_BP.shape[0], bucket(max_new_tokens)), np.int32)),
+                                  max_new_tokens, run.temperature, run.top_p, run.key, run.stops, run.length,
+                                  run.top_k, run.greedy)
     return run.finish(np.asarray(out_BN)[:, :int(steps)])
 
 
 def stream(model: Transformer, prompt: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_tokens: Sequence[int] = (),
            rules=None) -> Iterator[int]:
-    """`generate` of one prompt, yielding each new token as soon as it is produced (one jitted step each)."""
-    run = Run(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, rules)
+    """`generate` of one prompt, yielding each new token as soon as it is produced (one jitted step each); the
+    arguments are checked before the first token is asked for."""
+    return _stream(Run(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, rules),
+                   max_new_tokens)
+
+
+def _stream(run: Run, max_new_tokens: int) -> Iterator[int]:
     with run.context():
-        token_B, cache = _prefill(run.graphdef, run.state, run.tokens_BP, run.lengths_B, run.cache,
-                                  run.temperature, run.top_p, run.key, run.top_k, run.greedy)
+        token_B, cache = _prefill(run.graphdef, run.state, run.layers, run.tokens_BP, run.lengths_B,
+                                  run.temperature, run.top_p, run.key, run.length, run.top_k, run.greedy)
         positions_B = run.lengths_B
         for t in range(max_new_tokens):
             token = int(token_B[0])
             yield token
             if token in run.stop_set or t + 1 == max_new_tokens:
                 return
-            token_B, cache = _step(run.graphdef, run.state, token_B, positions_B + t, cache, run.temperature,
-                                   run.top_p, jax.random.fold_in(run.key, t + 1), run.top_k, run.greedy)
+            token_B, cache = _step(run.graphdef, run.state, run.layers, token_B, positions_B + t, cache,
+                                   run.temperature, run.top_p, jax.random.fold_in(run.key, t + 1), run.top_k,
+                                   run.greedy)
 
 
 class Run:
@@ -77,21 +88,23 @@ class Run:
         leaf = jax.tree.leaves(self.state)[0]
         sharding = getattr(leaf, "sharding", None)
         self.mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
-        if rules is None:
-            from mlm_jax.parallel.rules import make_rules
-            rules = make_rules("default", False)
-        self.rules = rules
+        self.rules = make_rules("default", False) if rules is None else rules
+        if self.mesh is not None and hasattr(model.blocks, "moe") and self.mesh.shape.get("context", 1) > 1:
+            raise ValueError("an MoE model split over a context-parallel mesh cannot generate: load the checkpoint "
+                             "with mlm_jax.load_pretrained(path, tensor=N)")
+        self.layers = _layer_states(self.graphdef, self.state)  # a copy of the weights, per layer
+        self.rows = len(prompts)
+        # rows padded (with one-token prompts) to a multiple of the data-parallel degree, which splits them
+        dp = 1 if self.mesh is None else math.prod(self.mesh.shape.get(a, 1) for a in DATA_AXES)
+        prompts = list(prompts) + [[0]] * (-len(prompts) % dp)
         lengths = [len(p) for p in prompts]
         B, P = len(prompts), bucket(max(lengths))
         tokens = np.zeros((B, P), np.int32)
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = p
         self.tokens_BP, self.lengths_B = self.put(tokens), self.put(np.asarray(lengths, np.int32))
-        C = bucket(max(lengths) + max_new_tokens)
-        shapes = model.cache_shape(B, C)
-        with self.context():
-            self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                                 out_shardings=self.cache_shardings(shapes))()
+        # Each decode step reads the whole cache: sized to the longest row's end, in steps of CACHE_STEP
+        self.length = -(-(max(lengths) + max_new_tokens) // CACHE_STEP) * CACHE_STEP
         self.greedy, self.top_k = temperature == 0, top_k
         self.temperature = jnp.float32(temperature or 1.0)
         self.top_p = None if top_p is None else jnp.float32(top_p)
@@ -103,13 +116,6 @@ class Run:
         if self.mesh is None:
             return jnp.asarray(x)
         return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-
-    def cache_shardings(self, shapes):
-        if self.mesh is None:
-            return None
-        resolve = self._resolver()
-        names = {3: (ax.ACT_BATCH, None, None), 4: (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)}
-        return jax.tree.map(lambda s: resolve(names[len(s.shape)], s.shape), shapes)
 
     def _resolver(self):
         from mlm_jax.parallel.sharding import activation_resolver
@@ -124,7 +130,7 @@ class Run:
     def finish(self, out_BN: np.ndarray) -> list[list[int]]:
         """Each row's tokens up to and including its first stop token."""
         result = []
-        for row in out_BN.tolist():
+        for row in out_BN[:self.rows].tolist():
             stop = next((i for i, t in enumerate(row) if t in self.stop_set), None)
             result.append(row if stop is None else row[:stop + 1])
         return result
@@ -200,25 +206,30 @@ def sample(logits_BV: jax.Array, key, temperature, top_p, top_k: int | None, gre
     return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "greedy"), donate_argnames=("cache",))
-def _prefill(graphdef, state, tokens_BP, lengths_B, cache, temperature, top_p, key, top_k, greedy):
-    logits_BV, cache = nnx.merge(graphdef, state).prefill(tokens_BP, lengths_B, cache)
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _layer_states(graphdef, state):
+    return nnx.merge(graphdef, state).layer_states()
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "length", "top_k", "greedy"))
+def _prefill(graphdef, state, layers, tokens_BP, lengths_B, temperature, top_p, key, length, top_k, greedy):
+    logits_BV, cache = nnx.merge(graphdef, state).prefill(tokens_BP, lengths_B, length, layers)
     return sample(logits_BV, key, temperature, top_p, top_k, greedy), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "greedy"), donate_argnames=("cache",))
-def _step(graphdef, state, token_B, positions_B, cache, temperature, top_p, key, top_k, greedy):
-    logits_B1V, cache = nnx.merge(graphdef, state).decode(token_B[:, None], positions_B[:, None], cache)
+def _step(graphdef, state, layers, token_B, positions_B, cache, temperature, top_p, key, top_k, greedy):
+    logits_B1V, cache = nnx.merge(graphdef, state).decode(token_B[:, None], positions_B[:, None], cache, layers)
     return sample(logits_B1V[:, 0], key, temperature, top_p, top_k, greedy), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "greedy"), donate_argnames=("cache", "out_BN"))
-def _generate(graphdef, state, tokens_BP, lengths_B, cache, out_BN, max_new_tokens, temperature, top_p, key,
-              stops_S, top_k, greedy):
+@functools.partial(jax.jit, static_argnames=("graphdef", "length", "top_k", "greedy"), donate_argnames=("out_BN",))
+def _generate(graphdef, state, layers, tokens_BP, lengths_B, out_BN, max_new_tokens, temperature, top_p, key,
+              stops_S, length, top_k, greedy):
     """`out_BN` filled with new tokens, and how many steps ran: the prefill's token, then decode steps until every
     row has stopped or `max_new_tokens` (traced, at most N: any count compiles once)."""
     model = nnx.merge(graphdef, state)
-    logits_BV, cache = model.prefill(tokens_BP, lengths_B, cache)
+    logits_BV, cache = model.prefill(tokens_BP, lengths_B, length, layers)
     token_B = sample(logits_BV, key, temperature, top_p, top_k, greedy)
     out_BN = out_BN.at[:, 0].set(token_B)
     done_B = jnp.isin(token_B, stops_S)
@@ -229,13 +240,65 @@ def _generate(graphdef, state, tokens_BP, lengths_B, cache, out_BN, max_new_toke
 
     def step(carry):
         t, token_B, cache, done_B, out_BN = carry
-        logits_B1V, cache = model.decode(token_B[:, None], (lengths_B + t - 1)[:, None], cache)
+        logits_B1V, cache = model.decode(token_B[:, None], (lengths_B + t - 1)[:, None], cache, layers)
         token_B = sample(logits_B1V[:, 0], jax.random.fold_in(key, t), temperature, top_p, top_k, greedy)
         out_BN = jax.lax.dynamic_update_index_in_dim(out_BN, token_B, t, axis=1)
         return t + 1, token_B, cache, done_B | jnp.isin(token_B, stops_S), out_BN
 
     t, _, _, _, out_BN = jax.lax.while_loop(running, step, (jnp.int32(1), token_B, cache, done_B, out_BN))
     return out_BN, t
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def main(argv=None) -> int:
+    """`python -m mlm_jax.generate PATH --prompt TEXT`: the prompt's continuation, streamed to stdout as it is
+    produced; bad input is one `error:` line on stderr and exit code 2."""
+    p = _Parser(prog="python -m mlm_jax.generate", description="Continue a prompt with a trained or converted model.")
+    p.add_argument("path", help="a converted dir, a run's output dir, or a checkpoints dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--tokenizer", help="a tokenizer.json (default: the one beside the checkpoint, or the run's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor", type=int, default=1, help="split the model over this many local devices")
+    try:
+        args = p.parse_args(argv)
+        from mlm_jax.convert import ConvertError
+        from mlm_jax.convert.pretrained import load_pretrained, load_tokenizer
+        try:
+            info = load_tokenizer(args.path, args.tokenizer)
+            if not args.prompt:
+                raise ValueError("--prompt is empty: give the text to continue")
+            prompt = info.tokenizer.encode(args.prompt, add_special_tokens=True).tolist()
+            if info.context and len(prompt) >= info.context:
+                raise ValueError(f"--prompt is {len(prompt)} tokens, and the model's context is {info.context}: "
+                                 f"shorten it")
+            room = info.context - len(prompt) if info.context else args.max_new_tokens
+            model = load_pretrained(args.path, tensor=args.tensor)
+            tokens = stream(model, prompt, max_new_tokens=min(args.max_new_tokens, room),
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            stop_tokens=info.eos_ids)
+            print(args.prompt, end="", flush=True)
+            shown, new = "", []
+            for token in tokens:
+                new.append(token)
+                text = info.tokenizer.decode(new, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):  # an unfinished character waits for its next token
+                    print(text[len(shown):], end="", flush=True)
+                    shown = text
+            print()
+        except ConvertError as e:
+            raise ValueError(str(e)) from None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 class _CallableModule(types.ModuleType):
@@ -247,3 +310,6 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -63,10 +63,12 @@ def open_checkpoint(path: str) -> Checkpoint:
     return Checkpoint(directory, step, dict(meta))
 
 
-def restore_weights(c: Checkpoint, shapes: Any, device: jax.Device) -> Any:
-    """The checkpoint's `params`, whole on `device`; `shapes` is `model_spec(c.model).shapes`."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+def restore_weights(c: Checkpoint, shapes: Any, device: jax.Device, shardings: Any = None) -> Any:
+    """The checkpoint's `params`, whole on `device` or laid out by `shardings` (a tree like `shapes`, each
+    parameter read straight into its shards); `shapes` is `model_spec(c.model).shapes`."""
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
     manager = _manager(c.directory)
     try:
         return manager.restore(c.step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params

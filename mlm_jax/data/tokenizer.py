@@ -26,7 +26,8 @@ class ByteTokenizer:
         return {"kind": "byte", "path": None, "fingerprint": self.fingerprint, "vocab_size": self.vocab_size,
                 "eod_id": self.eod_id}
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """Bytes only: the byte tokenizer has no special token to add."""
         return self.encode_bytes(text.encode("utf-8"))
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -36,7 +37,7 @@ class ByteTokenizer:
         """Raw bytes need no decoding, so files in any encoding tokenize losslessly."""
         return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Drops eod and out-of-range ids; a sampled cut in the middle of a character becomes U+FFFD."""
         ids = np.asarray(ids).reshape(-1)
         data = ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()
@@ -79,16 +80,21 @@ class HFTokenizer:
         return {"kind": "huggingface", "path": str(self.path), "fingerprint": self.fingerprint,
                 "vocab_size": self.vocab_size, "eod_id": self.eod_id}
 
-    def encode(self, text: str) -> np.ndarray:
-        return self.encode_batch([text])[0]
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """`add_special_tokens`: what the tokenizer's post-processor adds (a BOS, say), as a prompt is encoded."""
+        return self.encode_batch([text], add_special_tokens)[0]
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """No special tokens (a BOS from the post-processor, say): documents are separated by eod alone."""
-        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[np.ndarray]:
+        """By default no special tokens: in training data, documents are separated by eod alone."""
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
 
-    def decode(self, ids) -> str:
-        return self._tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                                      skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
 
 
 def load_tokenizer(spec: str, eod_token: str | None = None) -> ByteTokenizer | HFTokenizer:

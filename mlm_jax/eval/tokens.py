@@ -45,7 +45,7 @@ class Codec:
 
     def __init__(self, pretrained: Pretrained):
         tok = pretrained.tokenizer
-        self.hf = tok._tokenizer if isinstance(tok, HFTokenizer) else None
+        self.hf = tok if isinstance(tok, HFTokenizer) else None
         self.byte = tok if self.hf is None else None
         config = tokenizer_config(tok.path.parent) if self.hf is not None else {}
         self.bos = _content(config.get("bos_token"))
@@ -63,7 +63,7 @@ class Codec:
     def encode(self, text: str, add_special: bool) -> list[int]:
         if self.hf is None:
             return self.byte.encode(text).tolist()
-        return self.hf.encode(text, add_special_tokens=add_special).ids
+        return self.hf.encode(text, add_special_tokens=add_special).tolist()
 
     def encode_prompt(self, text: str) -> list[int]:
         """A generation prompt: the special tokens added unless the text already starts with the BOS."""

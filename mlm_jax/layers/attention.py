@@ -101,32 +101,31 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = Norm(c.head_dim, **nkw), Norm(c.head_dim, **nkw)
 
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool | jax.Array = False) -> jax.Array:
-        """`local`: a sliding-window layer (its window and RoPE), or a traced bool saying so (`Transformer.run_chunk`)."""
+        """`local`: a sliding-window layer (its window and RoPE), or a traced bool saying so (a pipeline chunk,
+        `Transformer.run_chunk`)."""
         q_BSNH, k_BSKH, v_BSKH = self.project(x_BSD, positions_BS, local)
         return self.out(attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl, self.c.window, local))
 
-    def cached(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
-               lengths_B: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """Attention with a key/value cache (`layers.kv_cache`; `cache` holds its `k` and `v`): a prefill of
-        right-padded prompts of `lengths_B` tokens (attention as in training, then the cache filled), or, without
-        lengths, decode steps at `positions_BT` (written to the cache, then attending over it)."""
-        q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD, positions_BT, local)
-        window = self.c.window if local else None
-        C = cache["k"].shape[1]
-        if lengths_B is not None:
-            out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, self.c.impl, self.c.window, local)
-            cache = {"k": kv.fill(k_BTKH, lengths_B, C), "v": kv.fill(v_BTKH, lengths_B, C)}
-        else:
-            cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
-            out_BTNH = kv.attend_cached(q_BTNH, cache["k"], cache["v"], positions_BT, window)
-        cached = (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)
-        return self.out(out_BTNH), {k: ax.constrain(a, cached) for k, a in cache.items()}
-
-    def cache_shape(self, batch: int, length: int, local: bool, dtype) -> dict:
-        """The cache of this layer for `batch` rows of up to `length` positions."""
+    def prefill(self, x_BPD: jax.Array, positions_BP: jax.Array, local: bool, lengths_B: jax.Array,
+                length: int) -> tuple[jax.Array, dict]:
+        """Attention over right-padded prompts of `lengths_B` tokens, as in training, and the key/value cache
+        (`layers.kv_cache`) it leaves for sequences of up to `length` positions."""
+        q_BPNH, k_BPKH, v_BPKH = self.project(x_BPD, positions_BP, local)
+        out_BPNH = attend(q_BPNH, k_BPKH, v_BPKH, self.c.impl, self.c.window, local)
         C = kv.slots(length, self.c.window if local else None)
-        x = jax.ShapeDtypeStruct((batch, C, self.c.kv_heads, self.c.head_dim), dtype)
-        return {"k": x, "v": x}
+        return self.out(out_BPNH), self._laid_out({"k": kv.fill(k_BPKH, lengths_B, C),
+                                                   "v": kv.fill(v_BPKH, lengths_B, C)})
+
+    def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict) -> tuple[jax.Array, dict]:
+        """New positions `positions_BT`: written to the cache, then attending over it."""
+        q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD, positions_BT, local)
+        cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
+        out_BTNH = kv.attend_cached(q_BTNH, cache["k"], cache["v"], positions_BT, self.c.window if local else None)
+        return self.out(out_BTNH), self._laid_out(cache)
+
+    @staticmethod
+    def _laid_out(cache: dict) -> dict:
+        return {k: ax.constrain(a, (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)) for k, a in cache.items()}
 
     def project(self, x_BSD: jax.Array, positions_BS: jax.Array, local) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (scaled for the kernels' 1/sqrt(head_dim)), keys and values, normed and rotated."""

@@ -55,10 +55,15 @@ class Block(nnx.Module):
         x_BSD, stats, _ = self.run(x_BSD, lambda h_BSD: (self.attn(h_BSD, positions_BS, local), None))
         return x_BSD, stats
 
-    def cached(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
-               lengths_B: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """The block with its attention's key/value cache (`Attention.cached`): its output and the new cache."""
-        x_BTD, _, cache = self.run(x_BTD, lambda h_BTD: self.attn.cached(h_BTD, positions_BT, local, cache, lengths_B))
+    def prefill(self, x_BPD: jax.Array, positions_BP: jax.Array, local: bool, lengths_B: jax.Array,
+                length: int) -> tuple[jax.Array, dict]:
+        """The block over right-padded prompts, and its attention's key/value cache (`Attention.prefill`)."""
+        x_BPD, _, cache = self.run(x_BPD, lambda h: self.attn.prefill(h, positions_BP, local, lengths_B, length))
+        return x_BPD, cache
+
+    def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict) -> tuple[jax.Array, dict]:
+        """The block at new positions, with its attention's cache (`Attention.decode`): its output and the cache."""
+        x_BTD, _, cache = self.run(x_BTD, lambda h_BTD: self.attn.decode(h_BTD, positions_BT, local, cache))
         return x_BTD, cache
 
     def run(self, x_BSD: jax.Array, attention) -> tuple[jax.Array, dict, object]:

@@ -65,37 +65,36 @@ class LatentAttention(nnx.Module):
                         **{**kw, "std": out_std})
 
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> jax.Array:
-        c = self.c
-        heads = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)
         q_BSNH = self.query(x_BSD, positions_BS)
         k_BSNH, v_BSNH = self.expand(*self.latent(x_BSD, positions_BS))
-        out_BSNH = attend(q_BSNH, k_BSNH, v_BSNH, c.impl)
-        return self.o(ax.constrain(out_BSNH[..., :c.v_dim], heads))
+        return self.out(attend(q_BSNH, k_BSNH, v_BSNH, self.c.impl)[..., :self.c.v_dim])
 
-    def cached(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
-               lengths_B: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """Attention with a cache of the normed kv latent and the rotated shared key (`latent`, `rope`), not of the
-        per-head keys and values: a prefill (as `Attention.cached`) runs as in training; a decode step folds the
-        key expansion into the query and the value expansion into the output (DeepSeek-V2's absorbed form), so
-        it reads R + E numbers per cached position instead of N x (P + V)."""
+    def prefill(self, x_BPD: jax.Array, positions_BP: jax.Array, local: bool, lengths_B: jax.Array,
+                length: int) -> tuple[jax.Array, dict]:
+        """As `Attention.prefill`, with a cache of the normed kv latent and the rotated shared key (`latent`,
+        `rope`), not of the per-head keys and values."""
         c = self.c
-        heads = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)
+        q_BPNH = self.query(x_BPD, positions_BP)
+        latent_BPR, rope_BPE = self.latent(x_BPD, positions_BP)
+        out_BPNH = attend(q_BPNH, *self.expand(latent_BPR, rope_BPE), c.impl)[..., :c.v_dim]
+        cache = {"latent": kv.fill(latent_BPR, lengths_B, length), "rope": kv.fill(rope_BPE, lengths_B, length)}
+        return self.out(out_BPNH), self._laid_out(cache)
+
+    def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict) -> tuple[jax.Array, dict]:
+        """A decode step folds the key expansion into the query and the value expansion into the output
+        (DeepSeek-V2's absorbed form), so it reads R + E numbers per cached position instead of N x (P + V)."""
         q_BTNH = self.query(x_BTD, positions_BT)
         latent_BTR, rope_BTE = self.latent(x_BTD, positions_BT)
-        C = cache["latent"].shape[1]
-        if lengths_B is not None:
-            out_BTNH = attend(q_BTNH, *self.expand(latent_BTR, rope_BTE), c.impl)[..., :c.v_dim]
-            cache = {"latent": kv.fill(latent_BTR, lengths_B, C), "rope": kv.fill(rope_BTE, lengths_B, C)}
-        else:
-            cache = {"latent": kv.write(cache["latent"], latent_BTR, positions_BT),
-                     "rope": kv.write(cache["rope"], rope_BTE, positions_BT)}
-            out_BTNH = self.absorbed(q_BTNH, cache["latent"], cache["rope"], positions_BT)
-        cache = {k: ax.constrain(a, (ax.ACT_BATCH, None, None)) for k, a in cache.items()}
-        return self.o(ax.constrain(out_BTNH, heads)), cache
+        cache = {"latent": kv.write(cache["latent"], latent_BTR, positions_BT),
+                 "rope": kv.write(cache["rope"], rope_BTE, positions_BT)}
+        return self.out(self.absorbed(q_BTNH, cache["latent"], cache["rope"], positions_BT)), self._laid_out(cache)
 
-    def cache_shape(self, batch: int, length: int, local: bool, dtype) -> dict:
-        return {"latent": jax.ShapeDtypeStruct((batch, length, self.c.kv_rank), dtype),
-                "rope": jax.ShapeDtypeStruct((batch, length, self.c.rope_dim), dtype)}
+    def out(self, out_BSNV: jax.Array) -> jax.Array:
+        return self.o(ax.constrain(out_BSNV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))
+
+    @staticmethod
+    def _laid_out(cache: dict) -> dict:
+        return {k: ax.constrain(a, (ax.ACT_BATCH, None, None)) for k, a in cache.items()}
 
     def query(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
         """Each head's [no-position part, rotated part], scaled for the kernels' 1/sqrt(P + E)."""

@@ -52,8 +52,14 @@ def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
                        out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision,
-                       moe=MoELayerConfig(m.hidden_size, m.expert_ffn, m.moe) if moe else None,
+                       moe=MoELayerConfig(m.hidden_size, m.expert_ffn, moe_layer(m.moe)) if moe else None,
                        post_norms=m.post_norms, norm_offset=m.norm_scale_offset)
+
+
+def moe_layer(moe):
+    """The MoE settings a layer uses: without which layers are dense (the model's concern), so that the module's
+    static configuration stays hashable (a list is not) and jitted programs are cached by it."""
+    return dataclasses.replace(moe, dense_layers=None)
 
 
 def rope_config(m: ModelConfig) -> RopeConfig:
@@ -121,7 +127,6 @@ class Transformer(nnx.Module):
         self.remat = m.remat
         self.scan_layers = m.scan_layers
         dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
-        self.cache_dtype = dtype  # of the key/value cache in decoding
         bc = block_config(m)
         self.embed = Embed(m.vocab_size, m.hidden_size, std=m.init_std, dtype=dtype, param_dtype=param_dtype,
                            rngs=rngs, scale=math.sqrt(m.hidden_size) if m.scale_embeddings else 1.0)
@@ -257,38 +262,46 @@ class Transformer(nnx.Module):
         return x_BSD, jax.tree.map(lambda *s: jnp.concatenate(s), *out) if stats else {}
 
     # -- incremental decoding -------------------------------------------------------------------------------------
-    def cache_shape(self, batch: int, length: int) -> list[dict]:
-        """Each layer's key/value cache (model order) for `batch` rows of up to `length` positions
-        (`layers.kv_cache`): a sliding-window layer keeps its window, latent attention its latent."""
-        return [self._layer(stack, 0).attn.cache_shape(batch, length, local, self.cache_dtype)
-                for (stack, local), _, count in self.runs for _ in range(count)]
+    def layer_states(self) -> list:
+        """Each layer's weights on their own, in model order. Decoding runs every layer at every step: a layer
+        taken out of the stacked weights inside the decode loop would be copied at every step, once outside it
+        is read in place."""
+        out = []
+        for (stack, _), start, count in self.runs:
+            state = nnx.state(getattr(self, stack))
+            out += [jax.tree.map(lambda w: w[i], state) for i in range(start, start + count)]
+        return out
 
-    def prefill(self, tokens_BP: jax.Array, lengths_B: jax.Array, cache: list[dict]) -> tuple[jax.Array, list]:
-        """Right-padded prompts (row b: `lengths_B[b]` tokens) -> (the logits after each prompt's last token,
-        the cache filled with the prompts)."""
+    def prefill(self, tokens_BP: jax.Array, lengths_B: jax.Array, length: int,
+                layers: list | None = None) -> tuple[jax.Array, list]:
+        """Right-padded prompts (row b: `lengths_B[b]` tokens) -> (the logits after each prompt's last token, each
+        layer's key/value cache for sequences of up to `length` positions, `layers.kv_cache`). `layers`:
+        `layer_states()`, if taken already."""
         positions_BP = default_positions(tokens_BP)
-        x_BPD, cache = self._cached(self.embed(tokens_BP), positions_BP, cache, lengths_B)
+        x_BPD, cache = self.embed(tokens_BP), []
+        for block, local in self._blocks(layers):
+            x_BPD, layer_cache = block.prefill(x_BPD, positions_BP, local, lengths_B, length)
+            cache.append(layer_cache)
         last_B1D = jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1)
         return self.logits(last_B1D)[:, 0], cache
 
-    def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: list[dict]) -> tuple[jax.Array, list]:
+    def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: list[dict],
+               layers: list | None = None) -> tuple[jax.Array, list]:
         """New tokens at `positions_BT` (each row's next positions) -> (their logits, the cache with them)."""
-        x_BTD, cache = self._cached(self.embed(tokens_BT), positions_BT, cache)
-        return self.logits(x_BTD), cache
+        x_BTD, out = self.embed(tokens_BT), []
+        for (block, local), layer_cache in zip(self._blocks(layers), cache, strict=True):
+            x_BTD, layer_cache = block.decode(x_BTD, positions_BT, local, layer_cache)
+            out.append(layer_cache)
+        return self.logits(x_BTD), out
 
-    def _layer(self, stack: str, i: int) -> Block:
-        graphdef, state = nnx.split(getattr(self, stack))
-        return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
-
-    def _cached(self, x_BTD, positions_BT, cache, lengths_B=None):
-        """Every layer in model order with its cache; unrolled whatever `scan_layers` says, so that each layer
-        updates its own cache buffer in place."""
-        out, layers = [], iter(cache)
-        for (stack, local), start, count in self.runs:
-            for i in range(start, start + count):
-                x_BTD, layer_cache = self._layer(stack, i).cached(x_BTD, positions_BT, local, next(layers), lengths_B)
-                out.append(layer_cache)
-        return x_BTD, out
+    def _blocks(self, layers=None):
+        """(block, local) for every layer in model order, unrolled whatever `scan_layers` says: each layer updates
+        its own cache buffer in place."""
+        layers = iter(self.layer_states() if layers is None else layers)
+        for (stack, local), _, count in self.runs:
+            graphdef = nnx.graphdef(getattr(self, stack))
+            for _ in range(count):
+                yield nnx.merge(graphdef, next(layers)), local
 
     def logits(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and output head."""

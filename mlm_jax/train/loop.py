@@ -212,6 +212,11 @@ class Trainer:
             losses.append(self._eval_step(self.state.params, batch))
         return float(np.mean(jax.device_get(losses)))
 
+    def generate(self, prompts, **kwargs) -> list[list[int]]:
+        """`mlm_jax.generate` on the current weights, laid out as they train (same mesh and rules table)."""
+        from mlm_jax.generate import generate
+        return generate(self.model, prompts, rules=self.rules, **kwargs)
+
     def evaluate_tasks(self) -> dict[str, float]:
         """`eval.tasks` through lm-evaluation-harness on the current weights, with the run's tokenizer and
         `train.seq_len` as the context: `eval/<task>/<metric>` for each number it reports."""
