@@ -4,15 +4,16 @@ A batch of prompts of any lengths is right-padded to a bucket (a power of two), 
 a preallocated key/value cache (`Transformer.prefill`), then decoded one token per step (`Transformer.decode`)
 inside one jitted `lax.while_loop` that stops when every row has produced a stop token or `max_new_tokens`: one
 compiled program per (batch, prompt bucket, cache size in steps of CACHE_STEP), whatever the lengths and step
-counts. The model runs
-where its parameters are: on one device, or sharded over several (tensor parallelism, `load_pretrained(...,
-tensor=N)`, or a trainer's layout), its activations laid out by the same rules table as in training.
+counts. The model runs where its parameters are: on one device, or sharded over several (tensor parallelism,
+`load_pretrained(..., tensor=N)`, or a trainer's layout), its activations laid out by the same rules table as in
+training.
 
 Shapes: B prompts, P padded prompt length, C cache length, V vocabulary.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import sys
@@ -117,15 +118,18 @@ class Run:
             return jnp.asarray(x)
         return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
-    def _resolver(self):
-        from mlm_jax.parallel.sharding import activation_resolver
-        return activation_resolver(self.mesh, self.rules)
-
+    @contextlib.contextmanager
     def context(self):
-        """Activation layouts and kernels of the model's mesh while tracing (nothing on one device)."""
+        """While tracing: the activation layouts of the model's mesh by the rules table, and the expert-parallel
+        kernel an MoE model's split experts need (as the trainer installs them); nothing on one device."""
         if self.mesh is None:
-            return _Null()
-        return _MeshContext(self._resolver(), self.mesh)
+            yield
+            return
+        from mlm_jax.parallel.expert import expert_parallel_ffn
+        from mlm_jax.parallel.sharding import activation_resolver
+        experts = functools.partial(expert_parallel_ffn, mesh=self.mesh)
+        with ax.activation_resolver(activation_resolver(self.mesh, self.rules)), ax.kernels(**{ax.EXPERT_FFN: experts}):
+            yield
 
     def finish(self, out_BN: np.ndarray) -> list[list[int]]:
         """Each row's tokens up to and including its first stop token."""
@@ -134,35 +138,6 @@ class Run:
             stop = next((i for i, t in enumerate(row) if t in self.stop_set), None)
             result.append(row if stop is None else row[:stop + 1])
         return result
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _MeshContext:
-    """The rules table's activation layouts, and the expert-parallel kernel of an MoE model whose tokens or
-    experts are split (as the trainer installs them)."""
-
-    def __init__(self, resolver, mesh):
-        from mlm_jax.parallel.expert import expert_parallel_ffn
-        self.stack = [ax.activation_resolver(resolver)]
-        if any(size > 1 for size in mesh.shape.values()):
-            self.stack.append(ax.kernels(**{ax.EXPERT_FFN: functools.partial(expert_parallel_ffn, mesh=mesh)}))
-
-    def __enter__(self):
-        for c in self.stack:
-            c.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for c in reversed(self.stack):
-            c.__exit__(*exc)
-        return False
 
 
 def check(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, vocab: int) -> None:

@@ -3,8 +3,8 @@ transformers in the test_convert* files), shared by the layout tests and the gen
 past its original context, Qwen3's QK-norm and explicit head dim, tied embeddings, GQA, sliding windows in every
 layer (Mistral) or interleaved with full layers and their own RoPE base (Gemma 3, with its post-norms, 1 + weight
 norms, GeGLU, scaled embeddings, softmax scale, logit soft-capping and a single KV head), Qwen3-MoE's dense layers
-among unnormalised top-k experts, and DeepSeek-V3's latent attention (YaRN, in the pipeline too) with grouped
-sigmoid routing and a shared expert."""
+among unnormalised top-k experts, and DeepSeek-V3's latent attention with grouped sigmoid routing, a shared
+expert and a dense first layer."""
 FAMILIES = {
     "llama3-qwen3-window": ["model.rope_scaling={rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, "
                             "high_freq_factor: 4.0, original_max_position_embeddings: 16}", "model.rope_theta=500000",
@@ -20,9 +20,6 @@ FAMILIES = {
                     "v_head_dim: 12}", "model.moe={num_experts: 8, top_k: 2, expert_ffn_size: 32, router: sigmoid, "
                     "num_groups: 4, top_groups: 2, routed_scaling_factor: 2.5, shared_experts: 1, "
                     "first_dense_layers: 1}", "model.num_layers=3"],
-    "mla-yarn": ["model.mla={kv_lora_rank: 32, qk_nope_head_dim: 16, qk_rope_head_dim: 8, v_head_dim: 16}",
-                 "model.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 16, mscale: 1.0,"
-                 " mscale_all_dim: 1.0}", "model.attention_scale=0.3", "model.num_layers=2"],
     "qwen3-moe": ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_size=64",
                   "model.moe.normalize_weights=false", "model.moe.dense_layers=[1]", "model.num_layers=3",
                   "model.qk_norm=true"],

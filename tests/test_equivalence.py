@@ -81,20 +81,18 @@ FAMILY_LAYOUTS = [
     ("gemma3", ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"]),
     ("qwen3-moe", ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=2", "parallel.tensor=2"]),
     ("deepseek-v3", ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=2", "parallel.tensor=2"]),
-    ("mla-yarn", ["parallel.stage=2", "parallel.data=2", "parallel.tensor=2"]),
     # Pipeline chunks whose layers differ by kind, and differently in each chunk (a switch per slot): local and
     # global layers in every order over 2 x 2 chunks, with the single K/V head repeated over the tensor ranks
     ("gemma3", ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=2", "parallel.tensor=2",
                 "train.num_microbatches=2", "model.num_layers=4",
                 "model.layer_types=[sliding_attention, full_attention, full_attention, sliding_attention]"]),
     # the dense first layer alone in chunk 0, two MoE layers (one fetched from the other stage) in chunk 1,
-    # experts split over devices, the backward split for zero bubble, layers unrolled
+    # experts split over devices (the zero-bubble split of such a chunk: test_split_vjp)
     ("deepseek-v3", ["parallel.stage=2", "parallel.data=1", "parallel.expert=2", "parallel.tensor=2",
-                     "train.num_microbatches=2", "parallel.pipeline_layers=[1,2]", "parallel.pipeline_schedule=zb1",
-                     "model.scan_layers=false"]),
-    # a dense layer among MoE ones, chunk by chunk over 2 x 2 chunks; both stacks whole on every stage
-    ("qwen3-moe", ["parallel.stage=2", "parallel.virtual_stages=2", "parallel.data=2", "parallel.expert=2",
-                   "train.num_microbatches=2", "model.num_layers=4"]),
+                     "train.num_microbatches=2", "parallel.pipeline_layers=[1,2]"]),
+    # a dense layer in one chunk's second slot, which the other chunk leaves empty; both stacks whole on every stage
+    ("qwen3-moe", ["parallel.stage=2", "parallel.data=2", "parallel.expert=2", "train.num_microbatches=2",
+                   "model.num_layers=4", "model.scan_layers=false"]),
 ]
 
 

@@ -122,7 +122,10 @@ def test_each_decode_step_equals_the_whole_sequence(family):
     seq = rng.integers(0, 512, (3, 17 + steps)).astype(np.int32)
     full = np.asarray(model(jnp.asarray(seq)))
     prompt = np.where(np.arange(32) < lengths[:, None], seq[:, :32], 0)  # right-padded to a bucket
-    logits, cache = model.prefill(jnp.asarray(prompt), jnp.asarray(lengths), 64)
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda state, t, n: nnx.merge(graphdef, state).prefill(t, n, 64))
+    decode = jax.jit(lambda state, t, p, c: nnx.merge(graphdef, state).decode(t, p, c))
+    logits, cache = prefill(state, jnp.asarray(prompt), jnp.asarray(lengths))
     rows, scale = np.arange(3), np.abs(full).max()  # within 1e-5 of the logits' scale
 
     def assert_close(got, want, step):
@@ -132,7 +135,7 @@ def test_each_decode_step_equals_the_whole_sequence(family):
     assert_close(logits, full[rows, lengths - 1], "prefill")
     for t in range(steps - 1):
         pos = lengths + t
-        logits, cache = model.decode(jnp.asarray(seq[rows, pos][:, None]), jnp.asarray(pos[:, None]), cache)
+        logits, cache = decode(state, jnp.asarray(seq[rows, pos][:, None]), jnp.asarray(pos[:, None]), cache)
         assert_close(logits[:, 0], full[rows, pos], t)
 
 
