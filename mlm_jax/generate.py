@@ -2,8 +2,9 @@
 
 A batch of prompts of any lengths is right-padded to a bucket (a power of two), run once through the model to fill
 a preallocated key/value cache (`Transformer.prefill`), then decoded one token per step (`Transformer.decode`)
-inside one jitted `lax.while_loop` that stops when every row has produced a stop token or `max_new_tokens`: one
-compiled program per (batch, prompt bucket, cache size in steps of CACHE_STEP), whatever the lengths and step
+inside one jitted `lax.while_loop` that stops when every row has produced a stop token or `max_new_tokens`, checked
+every STEPS_PER_CHECK steps (a loop of known trip count inside, which needs no answer from the host between steps):
+one compiled program per (batch, prompt bucket, cache size in steps of CACHE_STEP), whatever the lengths and step
 counts. The model runs where its parameters are: on one device, or sharded over several (tensor parallelism,
 `load_pretrained(..., tensor=N)`, or a trainer's layout), its activations laid out by the same rules table as in
 training.
@@ -31,6 +32,7 @@ from mlm_jax.parallel.rules import DATA_AXES, make_rules
 
 MIN_BUCKET = 16
 CACHE_STEP = 128
+STEPS_PER_CHECK = 8
 
 
 def bucket(n: int) -> int:
@@ -47,12 +49,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     for a `seed`. `rules` (a rules table, default the trainer's default) lays out the activations of a model
     sharded over several devices."""
     run = Run(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, rules)
+    width = bucket(max_new_tokens) + STEPS_PER_CHECK  # room for a last block of steps past the end
     with run.context():
         out_BN, steps = _generate(run.graphdef, run.state, run.layers, run.tokens_BP, run.lengths_B,
-                                  run.put(np.zeros((run.tokens_BP.shape[0], bucket(max_new_tokens)), np.int32)),
+                                  run.put(np.zeros((len(run.lengths_B), width), np.int32)),
                                   max_new_tokens, run.temperature, run.top_p, run.key, run.stops, run.length,
                                   run.top_k, run.greedy)
-    return run.finish(np.asarray(out_BN)[:, :int(steps)])
+    return run.finish(np.asarray(out_BN)[:, :min(int(steps), max_new_tokens)])
 
 
 def stream(model: Transformer, prompt: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
@@ -94,6 +97,7 @@ class Run:
             raise ValueError("an MoE model split over a context-parallel mesh cannot generate: load the checkpoint "
                              "with mlm_jax.load_pretrained(path, tensor=N)")
         self.layers = _layer_states(self.graphdef, self.state)  # a copy of the weights, per layer
+        self.kv_heads = getattr(model.blocks.attn.c, "kv_heads", None)  # None: latent attention
         self.rows = len(prompts)
         # rows padded (with one-token prompts) to a multiple of the data-parallel degree, which splits them
         dp = 1 if self.mesh is None else math.prod(self.mesh.shape.get(a, 1) for a in DATA_AXES)
@@ -120,15 +124,23 @@ class Run:
 
     @contextlib.contextmanager
     def context(self):
-        """While tracing: the activation layouts of the model's mesh by the rules table, and the expert-parallel
-        kernel an MoE model's split experts need (as the trainer installs them); nothing on one device."""
+        """While tracing: the activation layouts of the model's mesh by the rules table, the expert-parallel kernel
+        an MoE model's split experts need and the repeated K/V heads of fewer K/V heads than tensor ranks (as the
+        trainer installs them); nothing on one device."""
         if self.mesh is None:
             yield
             return
+        from mlm_jax.layers.attention import local_attention
         from mlm_jax.parallel.expert import expert_parallel_ffn
+        from mlm_jax.parallel.kernels import repeated_kv_heads
         from mlm_jax.parallel.sharding import activation_resolver
-        experts = functools.partial(expert_parallel_ffn, mesh=self.mesh)
-        with ax.activation_resolver(activation_resolver(self.mesh, self.rules)), ax.kernels(**{ax.EXPERT_FFN: experts}):
+        kernels = {ax.EXPERT_FFN: functools.partial(expert_parallel_ffn, mesh=self.mesh)}
+        t = self.mesh.shape.get("tensor", 1)
+        if self.kv_heads and self.kv_heads % t:  # the prompt's attention as in training (cuDNN's partitioner
+            # needs the query and key heads split alike); decode steps then attend through XLA's products
+            kernels[ax.ATTENTION] = functools.partial(repeated_kv_heads, repeat=t // self.kv_heads,
+                                                      attention=local_attention)
+        with ax.activation_resolver(activation_resolver(self.mesh, self.rules)), ax.kernels(**kernels):
             yield
 
     def finish(self, out_BN: np.ndarray) -> list[list[int]]:
@@ -202,7 +214,8 @@ def _step(graphdef, state, layers, token_B, positions_B, cache, temperature, top
 def _generate(graphdef, state, layers, tokens_BP, lengths_B, out_BN, max_new_tokens, temperature, top_p, key,
               stops_S, length, top_k, greedy):
     """`out_BN` filled with new tokens, and how many steps ran: the prefill's token, then decode steps until every
-    row has stopped or `max_new_tokens` (traced, at most N: any count compiles once)."""
+    row has stopped or `max_new_tokens` (traced, at most N: any count compiles once), in blocks of STEPS_PER_CHECK
+    (the steps past the end are dropped by the caller)."""
     model = nnx.merge(graphdef, state)
     logits_BV, cache = model.prefill(tokens_BP, lengths_B, length, layers)
     token_B = sample(logits_BV, key, temperature, top_p, top_k, greedy)
@@ -213,14 +226,19 @@ def _generate(graphdef, state, layers, tokens_BP, lengths_B, out_BN, max_new_tok
         t, _, _, done_B, _ = carry
         return (t < max_new_tokens) & ~jnp.all(done_B)
 
-    def step(carry):
-        t, token_B, cache, done_B, out_BN = carry
+    def step(t, carry):
+        token_B, cache, done_B, out_BN = carry
         logits_B1V, cache = model.decode(token_B[:, None], (lengths_B + t - 1)[:, None], cache, layers)
         token_B = sample(logits_B1V[:, 0], jax.random.fold_in(key, t), temperature, top_p, top_k, greedy)
         out_BN = jax.lax.dynamic_update_index_in_dim(out_BN, token_B, t, axis=1)
-        return t + 1, token_B, cache, done_B | jnp.isin(token_B, stops_S), out_BN
+        return token_B, cache, done_B | jnp.isin(token_B, stops_S), out_BN
 
-    t, _, _, _, out_BN = jax.lax.while_loop(running, step, (jnp.int32(1), token_B, cache, done_B, out_BN))
+    def steps(carry):
+        t, *rest = carry
+        rest = jax.lax.fori_loop(0, STEPS_PER_CHECK, lambda i, c: step(t + i, c), tuple(rest))
+        return t + STEPS_PER_CHECK, *rest
+
+    t, _, _, _, out_BN = jax.lax.while_loop(running, steps, (jnp.int32(1), token_B, cache, done_B, out_BN))
     return out_BN, t
 
 

@@ -120,7 +120,11 @@ class Attention(nnx.Module):
         """New positions `positions_BT`: written to the cache, then attending over it."""
         q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD, positions_BT, local)
         cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
-        out_BTNH = kv.attend_cached(q_BTNH, cache["k"], cache["v"], positions_BT, self.c.window if local else None)
+        # a layout that replaces the attention kernel (`axes.ATTENTION`) attends through XLA's products, which
+        # partition under any layout
+        impl = "xla" if ax.kernel(ax.ATTENTION) else kernel_for(self.c.impl, q_BTNH.dtype)
+        out_BTNH = kv.attend_cached(q_BTNH, cache["k"], cache["v"], positions_BT, self.c.window if local else None,
+                                    impl)
         return self.out(out_BTNH), self._laid_out(cache)
 
     @staticmethod

@@ -45,15 +45,21 @@ def visible(positions_BT: jax.Array, C: int, window: int | None) -> jax.Array:
 
 
 def attend_cached(q_BTNH: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array, positions_BT: jax.Array,
-                  window: int | None) -> jax.Array:
-    """Causal attention of T new queries (already written to the cache) over the cache: a matrix-vector product
-    per head, bound by reading the cache; the softmax in fp32. K/V heads may be fewer than query heads (GQA)."""
+                  window: int | None, impl: str = "xla") -> jax.Array:
+    """Causal attention of T new queries (already written to the cache) over the cache, bound by reading the
+    cache; K/V heads may be fewer than query heads (GQA). One query per row (a decode step) with `impl` cudnn
+    runs cuDNN's flash kernel over the written slots (all of which the query sees: the slots of a sliding-window
+    layer are its window); otherwise a matrix-vector product per head with the softmax in fp32."""
     B, T, N, H = q_BTNH.shape
-    K = k_BCKH.shape[2]
+    C, K = k_BCKH.shape[1:3]
+    if impl == "cudnn" and T == 1 and (window is None or C <= window):
+        written_B = jnp.minimum(positions_BT[:, 0] + 1, C)
+        return jax.nn.dot_product_attention(q_BTNH, k_BCKH, v_BCKH, key_value_seq_lengths=written_B,
+                                            implementation="cudnn")
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     scores_BKGTC = jnp.einsum("btkgh,bckh->bkgtc", q_BTKGH, k_BCKH, preferred_element_type=jnp.float32)
     scores_BKGTC = scores_BKGTC / jnp.sqrt(jnp.float32(H))
-    mask_B11TC = visible(positions_BT, k_BCKH.shape[1], window)[:, None, None]
+    mask_B11TC = visible(positions_BT, C, window)[:, None, None]
     probs_BKGTC = jax.nn.softmax(jnp.where(mask_B11TC, scores_BKGTC, -jnp.inf), axis=-1)
     out_BTKGH = jnp.einsum("bkgtc,bckh->btkgh", probs_BKGTC.astype(v_BCKH.dtype), v_BCKH)
     return out_BTKGH.reshape(B, T, N, H)
