@@ -3,7 +3,7 @@ data + tensor + sequence parallelism and with pipeline stages. fp32, 3 steps of 
 parameter leaf's gradient within 1e-4 relative."""
 import pytest
 
-from layouts import assert_matches, fit
+from layouts import assert_matches, fit, reference
 from mlm_jax import load_config
 from mlm_jax.config import ConfigError
 from mlm_jax.validation import check_degrees
@@ -15,7 +15,7 @@ BASE = ["model.dtype=float32", "model.num_layers=2", "model.num_kv_heads=2", "tr
 
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
-    return fit(BASE, ["parallel.data=1"], 1, tmp_path_factory.mktemp("ref"))
+    return reference(BASE, ["parallel.data=1"], tmp_path_factory.mktemp("ref"))
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from families import FAMILIES
-from layouts import assert_matches, fit
+from layouts import assert_matches, fit, reference
 
 BASE = ["model.dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=8", "train.seq_len=64", "log.progress=never", "optim.warmup_steps=0",
@@ -57,7 +57,7 @@ def test_accumulation_with_data_parallelism_matches_single_device(single_device,
 def test_gqa_qknorm_tied_layernorm_gelu_under_tensor_parallelism(tmp_path):
     variant = ["model.num_kv_heads=2", "model.qk_norm=true", "model.tie_embeddings=true", "model.norm=layernorm",
                "model.activation=gelu"]
-    ref = run(variant + ["parallel.data=1"], 1, tmp_path / "ref")
+    ref = reference(BASE, variant + ["parallel.data=1"], tmp_path / "ref")
     got = run(variant + ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2",
                                            "parallel.sequence_parallel=true"], 8, tmp_path / "tp")
     assert_matches(got, ref)
@@ -69,7 +69,7 @@ def test_gqa_qknorm_tied_layernorm_gelu_under_tensor_parallelism(tmp_path):
 ])
 def test_fewer_kv_heads_than_tensor_ranks_match_single_device(kv_heads, layout, tmp_path):
     variant = [f"model.num_kv_heads={kv_heads}", "model.num_layers=2"]
-    ref = run(variant + ["parallel.data=1"], 1, tmp_path / "ref")
+    ref = reference(BASE, variant + ["parallel.data=1"], tmp_path / "ref")
     assert_matches(run(variant + layout, 8, tmp_path / "tp"), ref)
 
 
@@ -91,7 +91,7 @@ FAMILY_LAYOUTS = [
     ("deepseek-v3", ["parallel.stage=2", "parallel.data=1", "parallel.expert=2", "parallel.tensor=2",
                      "train.num_microbatches=2", "parallel.pipeline_layers=[1,2]"]),
     # a dense layer in one chunk's second slot, which the other chunk leaves empty; both stacks whole on every stage
-    ("qwen3-moe", ["parallel.stage=2", "parallel.data=2", "parallel.expert=2", "train.num_microbatches=2",
+    ("qwen3-moe", ["parallel.stage=2", "parallel.data=4", "train.num_microbatches=2",
                    "model.num_layers=4", "model.scan_layers=false"]),
 ]
 
@@ -103,5 +103,5 @@ def test_family_features_match_single_device(family, layout, tmp_path):
     # a layout may reshape the model, and the reference accumulates the pipeline's microbatches (the MoE
     # balancing losses are per microbatch)
     model = FAMILIES[family] + [o for o in layout if o.startswith(("model.", "train."))]
-    ref = run(model + ["parallel.data=1"], 1, tmp_path / "ref")
+    ref = reference(BASE, model + ["parallel.data=1"], tmp_path / "ref")
     assert_matches(run(FAMILIES[family] + layout, 8, tmp_path / "layout"), ref)

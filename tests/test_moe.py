@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from layouts import assert_matches, fit
+from layouts import assert_matches, fit, reference
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError, MoEConfig
 from mlm_jax.layers.moe import MoE, MoELayerConfig
@@ -113,13 +113,13 @@ def test_expert_parallel_dropless_matches_single_device(layout, single_device, t
 M2 = ["train.num_microbatches=2"]
 
 
-STAGE2 = ["parallel.stage=2", "parallel.expert=2", "parallel.data=2"]
-VIRTUAL2 = STAGE2 + ["parallel.virtual_stages=2", "model.num_layers=4"]
+# virtual stages: each stage runs two chunks (one stage's experts inside another's 1F1B or zero-bubble slots); a
+# single chunk per stage is in the DeepSeek-V3 family test and the low-precision pipeline tests
+VIRTUAL2 = ["parallel.stage=2", "parallel.expert=2", "parallel.data=2", "parallel.virtual_stages=2",
+            "model.num_layers=4"]
 
 
 @pytest.mark.parametrize("layout, capacity", [
-    pytest.param(STAGE2 + ["parallel.pipeline_schedule=1f1b"], [], id="stage2-expert2-1f1b-dropless"),
-    pytest.param(STAGE2 + ["parallel.pipeline_schedule=zb1"], SMALL_CAPACITY, id="stage2-expert2-zb1-capacity"),
     pytest.param(VIRTUAL2 + ["parallel.pipeline_schedule=1f1b"], SMALL_CAPACITY,
                  id="stage2-virtual2-expert2-1f1b-capacity"),
     pytest.param(VIRTUAL2 + ["parallel.pipeline_schedule=zb1"], [], id="stage2-virtual2-expert2-zb1-dropless"),
@@ -127,7 +127,7 @@ VIRTUAL2 = STAGE2 + ["parallel.virtual_stages=2", "model.num_layers=4"]
 def test_moe_in_pipeline_stages_matches_single_device(layout, capacity, tmp_path):
     """Experts (and expert parallelism) inside stages; each layer's routing statistics reported in model order."""
     layers = [o for o in layout if o.startswith("model.")]
-    ref = run(layers + capacity + M2 + ["parallel.data=1"], 1, tmp_path / "ref")
+    ref = reference(BASE, layers + capacity + M2 + ["parallel.data=1"], tmp_path / "ref")
     got = run(layout + capacity, 8, tmp_path / "got")
     if capacity:
         assert all(d > 0 for r in got.records for d in r["moe_dropped"])

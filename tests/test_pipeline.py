@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from layouts import assert_matches, fit
+from layouts import assert_matches, fit, reference
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError
 from mlm_jax.validation import check_degrees
@@ -25,7 +25,7 @@ def single_device(tmp_path_factory):
     def get(overrides):
         model = tuple(o for o in overrides if o.startswith("model."))
         if model not in cache:
-            cache[model] = fit(BASE, [*model, "parallel.data=1"], 1, tmp_path_factory.mktemp("ref"))
+            cache[model] = reference(BASE, [*model, "parallel.data=1"], tmp_path_factory.mktemp("ref"))
         return cache[model]
     return get
 

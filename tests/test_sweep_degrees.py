@@ -1,5 +1,6 @@
-"""Every assignment of the six mesh degrees whose product is 8 (56; 50 for MoE, in `test_sweep_degrees_moe.py`)
-either trains 2 steps or is refused in one line before anything is traced; none ends in a traceback or an abort.
+"""Every assignment of the six mesh degrees whose product is 8 (56; for MoE the 20 that split experts, in
+`test_sweep_degrees_moe.py`) either trains 2 steps or is refused in one line before anything is traced; none ends
+in a traceback or an abort.
 A dense model runs with sequence parallelism and virtual stages wherever they apply, an MoE model without them and
 with at most 2 pipeline stages (the equivalence tests cover MoE in virtual stages; `test_sweep_precision.py` has the
 precisions).
