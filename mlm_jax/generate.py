@@ -134,7 +134,9 @@ class Run:
         from mlm_jax.parallel.expert import expert_parallel_ffn
         from mlm_jax.parallel.kernels import repeated_kv_heads
         from mlm_jax.parallel.sharding import activation_resolver
-        kernels = {ax.EXPERT_FFN: functools.partial(expert_parallel_ffn, mesh=self.mesh)}
+        kernels = {}
+        if any(size > 1 for size in self.mesh.shape.values()):  # tokens or experts split, as `parallel_kernels`
+            kernels[ax.EXPERT_FFN] = functools.partial(expert_parallel_ffn, mesh=self.mesh)
         t = self.mesh.shape.get("tensor", 1)
         if self.kv_heads and self.kv_heads % t:  # the prompt's attention as in training (cuDNN's partitioner
             # needs the query and key heads split alike); decode steps then attend through XLA's products
