@@ -92,6 +92,7 @@ class Run:
         leaf = jax.tree.leaves(self.state)[0]
         sharding = getattr(leaf, "sharding", None)
         self.mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
+        self.platform = next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()
         self.rules = make_rules("default", False) if rules is None else rules
         if self.mesh is not None and hasattr(model.blocks, "moe") and self.mesh.shape.get("context", 1) > 1:
             raise ValueError("an MoE model split over a context-parallel mesh cannot generate: load the checkpoint "
@@ -126,23 +127,26 @@ class Run:
     def context(self):
         """While tracing: the activation layouts of the model's mesh by the rules table, the expert-parallel kernel
         an MoE model's split experts need and the repeated K/V heads of fewer K/V heads than tensor ranks (as the
-        trainer installs them); nothing on one device."""
-        if self.mesh is None:
-            yield
-            return
-        from mlm_jax.layers.attention import local_attention
-        from mlm_jax.parallel.expert import expert_parallel_ffn
-        from mlm_jax.parallel.kernels import repeated_kv_heads
-        from mlm_jax.parallel.sharding import activation_resolver
-        kernels = {}
-        if any(size > 1 for size in self.mesh.shape.values()):  # tokens or experts split, as `parallel_kernels`
-            kernels[ax.EXPERT_FFN] = functools.partial(expert_parallel_ffn, mesh=self.mesh)
-        t = self.mesh.shape.get("tensor", 1)
-        if self.kv_heads and self.kv_heads % t:  # the prompt's attention as in training (cuDNN's partitioner
-            # needs the query and key heads split alike); decode steps then attend through XLA's products
-            kernels[ax.ATTENTION] = functools.partial(repeated_kv_heads, repeat=t // self.kv_heads,
-                                                      attention=local_attention)
-        with ax.activation_resolver(activation_resolver(self.mesh, self.rules)), ax.kernels(**kernels):
+        trainer installs them); on one GPU, the few-row Pallas kernel for attention's output projection
+        (`layers.gemv`: a custom call, which XLA cannot partition)."""
+        from mlm_jax.layers import gemv
+        kernels, resolver = {}, contextlib.nullcontext()
+        if self.platform == "gpu" and (self.mesh is None or self.mesh.size == 1):
+            kernels[ax.HEADS_OUT] = gemv.einsum
+        if self.mesh is not None:
+            from mlm_jax.layers.attention import local_attention
+            from mlm_jax.parallel.expert import expert_parallel_ffn
+            from mlm_jax.parallel.kernels import repeated_kv_heads
+            from mlm_jax.parallel.sharding import activation_resolver
+            if any(size > 1 for size in self.mesh.shape.values()):  # tokens or experts split, as `parallel_kernels`
+                kernels[ax.EXPERT_FFN] = functools.partial(expert_parallel_ffn, mesh=self.mesh)
+            t = self.mesh.shape.get("tensor", 1)
+            if self.kv_heads and self.kv_heads % t:  # the prompt's attention as in training (cuDNN's partitioner
+                # needs the query and key heads split alike); decode steps then attend through XLA's products
+                kernels[ax.ATTENTION] = functools.partial(repeated_kv_heads, repeat=t // self.kv_heads,
+                                                          attention=local_attention)
+            resolver = ax.activation_resolver(activation_resolver(self.mesh, self.rules))
+        with resolver, ax.kernels(**kernels):
             yield
 
     def finish(self, out_BN: np.ndarray) -> list[list[int]]:

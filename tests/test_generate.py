@@ -2,6 +2,7 @@
 one device and split over 2 tensor ranks; each decode step's logits equal the model's on the whole sequence so far
 (fp32, 1e-5); sampling is reproducible and honours top-k, top-p and stop tokens; lengths share compiled programs;
 bad input is one line."""
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ from mlm_jax import Trainer, load_config, load_pretrained  # noqa: E402
 from mlm_jax.convert.pretrained import load_tokenizer  # noqa: E402
 from mlm_jax.generate import _generate  # noqa: E402
 from mlm_jax.generate import main as generate_main  # noqa: E402
+from mlm_jax.layers import axes as ax  # noqa: E402
+from mlm_jax.layers import gemv  # noqa: E402
 from mlm_jax.layers.transformer import Transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,11 +114,24 @@ def _model(family: str) -> Transformer:
     return Transformer(load_config(None, overrides).model, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("family", ["gemma3", "deepseek-v3", "llama3-qwen3-window", "qwen3-moe"])
-def test_each_decode_step_equals_the_whole_sequence(family):
+@pytest.mark.parametrize("family, heads_out", [("gemma3", False), ("deepseek-v3", False),
+                                               ("llama3-qwen3-window", False), ("qwen3-moe", False),
+                                               ("llama3-qwen3-window", True), ("deepseek-v3", True)])
+def test_each_decode_step_equals_the_whole_sequence(family, heads_out, monkeypatch):
     """Prompts of 3, 9 and 17 tokens, then 24 known tokens fed one step at a time: every step's logits equal those
     of the model run on the whole sequence, within 1e-5 of their scale (windows of 8 and 16: the ring caches
-    wrap)."""
+    wrap). `heads_out`: the output projections of decode steps (latent attention's too) through the few-row
+    Pallas kernel (interpreted) that generation installs on a GPU."""
+    calls, matmul = [], gemv.matmul
+    monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
+    kernels = {ax.HEADS_OUT: functools.partial(gemv.einsum, interpret=True)} if heads_out else {}
+    with ax.kernels(**kernels):
+        _decode_steps_equal_the_whole_sequence(family)
+    layers = load_config(None, FAMILIES[family]).model.num_layers
+    assert len(calls) == (layers if heads_out else 0)  # each layer in the one trace of a decode step
+
+
+def _decode_steps_equal_the_whole_sequence(family):
     model = _model(family)
     rng = np.random.default_rng(0)
     lengths, steps = np.array([3, 9, 17]), 24

@@ -144,7 +144,8 @@ class Attention(nnx.Module):
         return q_BSNH, k_BSKH, v_BSKH
 
     def out(self, out_BSNH: jax.Array) -> jax.Array:
-        return self.o(ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))
+        return self.o(ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)),
+                      ax.kernel(ax.HEADS_OUT) or jnp.einsum)
 
     def rotate(self, x_BSNH: jax.Array, positions_BS: jax.Array, local: bool | jax.Array) -> jax.Array:
         """RoPE of a local layer (its own base, where it has one) or of a full one; both, then a select, for a

@@ -43,6 +43,7 @@ ACTIVATION_AXES = (ACT_BATCH, ACT_SEQ, ACT_SEQ_SP, ACT_EMBED, ACT_HEADS, ACT_KV_
 # Kernel names for `kernels`/`kernel`.
 ATTENTION = "attention"  # (q_BSNH, k_BSKH, v_BSKH) -> out_BSNH, causal
 EXPERT_FFN = "expert_ffn"  # layers.experts.expert_ffn's signature, minus `impl`-independent arguments
+HEADS_OUT = "heads_out"  # (equation, x, kernel) -> jnp.einsum(...): attention's output projection over heads
 
 Names = Sequence[str | None]
 _kernels: contextvars.ContextVar[dict[str, Callable]] = contextvars.ContextVar("mlm_jax_kernels", default={})

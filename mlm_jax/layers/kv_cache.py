@@ -32,7 +32,8 @@ def write(cache_BCKH: jax.Array, x_BTKH: jax.Array, positions_BT: jax.Array) -> 
     """The cache with the values of the new positions written into their slots."""
     B, T = positions_BT.shape
     rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return cache_BCKH.at[rows_BT, jnp.mod(positions_BT, cache_BCKH.shape[1])].set(x_BTKH.astype(cache_BCKH.dtype))
+    slots_BT = jnp.mod(positions_BT, cache_BCKH.shape[1])  # in bounds: no select against the cache's values
+    return cache_BCKH.at[rows_BT, slots_BT].set(x_BTKH.astype(cache_BCKH.dtype), mode="promise_in_bounds")
 
 
 def visible(positions_BT: jax.Array, C: int, window: int | None) -> jax.Array:

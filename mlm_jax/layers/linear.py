@@ -1,7 +1,7 @@
 """Einsum-based dense layer whose kernel carries logical dim names (TP column/row follows from the names)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,8 @@ class Linear(nnx.Module):
         if bias_dims:
             self.bias = param(jnp.zeros(tuple(kernel_shape)[-bias_dims:], param_dtype), tuple(names)[-bias_dims:])
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, einsum: Callable = jnp.einsum) -> jax.Array:
+        """`einsum`: how a bf16 layer multiplies (a kernel for the caller's shapes)."""
         x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
         if self.precision == "fp8":
             y = fp8_einsum(self.equation, x, kernel)
@@ -39,5 +40,5 @@ class Linear(nnx.Module):
             from mlm_jax.layers import te  # optional backend, imported only when chosen
             y = te.einsum(self.equation, x, kernel)
         else:
-            y = jnp.einsum(self.equation, x, kernel)
+            y = einsum(self.equation, x, kernel)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
