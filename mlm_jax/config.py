@@ -253,6 +253,7 @@ class OptimConfig:
     beta2: float = number(0.95, ge=0, lt=1)
     eps: float = positive(1e-8)
     clip_grad: float | None = positive(1.0)
+    moments_dtype: str = choice("float32", "bfloat16")  # Adam's moments between steps (updated in fp32)
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,7 @@ def test_value_outside_choices_rejected(override, message):
     ("model.head_dim=33", r"model\.head_dim=33: rotary"),
     ("data.validation_fraction=1", r"data\.validation_fraction=1\.0: expected a number in \(0, 1\)"),
     ("optim.clip_grad=0", r"optim\.clip_grad=0\.0: must be positive or null"),
+    ("optim.moments_dtype=float16", r"optim\.moments_dtype='float16': expected one of float32, bfloat16"),
     ("log.profile_steps=[3,2]", r"log\.profile_steps=\[3, 2\]: expected \[first, last\] steps with 1 <= first <= last"),
     ("log.profile_steps=[0,2]", r"log\.profile_steps=\[0, 2\]: expected \[first, last\]"),
     ("log.profile_steps=5", r"log\.profile_steps=5: expected list or null"),

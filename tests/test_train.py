@@ -86,3 +86,36 @@ def test_profile_steps_write_a_trace_of_those_steps(tmp_path, capsys):
     assert traces
     events = json.load(gzip.open(traces[0], "rt"))["traceEvents"]
     assert any("step" in e.get("name", "") for e in events)  # the compiled step ran inside the trace
+
+
+def test_bf16_moments_round_only_the_stored_moments():
+    """Two AdamW steps (lr 1) with the moments stored in bf16 between them: the second update equals the fp32
+    optimizer's within what bf16's rounding of the stored moments moves it (2^-9 of each moment, about 2^-8 of an
+    update of size ~1; 2^-7 leaves twice the margin), and the stored moments are bf16."""
+    from mlm_jax.train.optimizer import make_optimizer
+    keys = iter(jax.random.split(jax.random.key(0), 6))
+    tree = lambda: {"w": jax.random.normal(next(keys), (64, 32)),  # noqa: E731
+                    "norm": {"scale": jax.random.normal(next(keys), (32,))}}
+    params, grads1, grads2 = tree(), tree(), tree()
+    second = {}
+    for dtype in ("float32", "bfloat16"):
+        o = load_config(None, [f"optim.moments_dtype={dtype}", "optim.warmup_steps=0", "optim.lr=1.0",
+                               "optim.schedule=constant", "optim.clip_grad=null"]).optim
+        tx = make_optimizer(o, 10)
+        _, state = tx.update(grads1, tx.init(params), params)
+        second[dtype], state = tx.update(grads2, state, params)
+        floats = {x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)}
+        assert floats == {jnp.dtype(dtype)}
+    for got, want in zip(jax.tree.leaves(second["bfloat16"]), jax.tree.leaves(second["float32"])):
+        assert 0 < np.abs(got - want).max() <= 2 ** -7
+        np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -7)
+
+
+def test_bf16_moments_train_under_zero1(tmp_path):
+    trainer = Trainer(load_config(None, SMALL + [f"train.output_dir={tmp_path}", "train.eval_every=0",
+                                                 "optim.moments_dtype=bfloat16", "parallel.data=2", "parallel.fsdp=4",
+                                                 "parallel.shard_optimizer=true"]))
+    records = trainer.fit(steps=2)
+    assert np.isfinite(records[-1]["loss"])
+    moments = [x for x in jax.tree.leaves(trainer.state.opt_state) if x.ndim]
+    assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.bfloat16)}

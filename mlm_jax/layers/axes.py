@@ -43,6 +43,7 @@ ACTIVATION_AXES = (ACT_BATCH, ACT_SEQ, ACT_SEQ_SP, ACT_EMBED, ACT_HEADS, ACT_KV_
 # Kernel names for `kernels`/`kernel`.
 ATTENTION = "attention"  # (q_BSNH, k_BSKH, v_BSKH) -> out_BSNH, causal
 EXPERT_FFN = "expert_ffn"  # layers.experts.expert_ffn's signature, minus `impl`-independent arguments
+MASTER_EINSUM = "master_einsum"  # layers.linear.master_einsum's signature: Linear's product from the master weight
 HEADS_OUT = "heads_out"  # (equation, x, kernel) -> jnp.einsum(...): attention's output projection over heads
 
 Names = Sequence[str | None]

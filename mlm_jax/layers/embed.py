@@ -1,6 +1,8 @@
 """Token embedding (vocab-parallel when `vocab` maps to the tensor axis) and the output head."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,12 +21,38 @@ class Embed(nnx.Module):
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
         # The lookup reads a whole table: a gather from a table split over its vocabulary would make XLA move
         # the token ids between devices (collective permutes) instead of gathering the table once.
-        # Gathered in the parameter dtype, so repeated tokens' gradients add up in fp32.
-        table_VD = ax.constrain(self.embedding[...], (None, None))
-        x_BSD = jnp.take(table_VD, tokens_BS, axis=0)
+        # Gathered in the parameter dtype, so repeated tokens' gradients add up in fp32 (under FSDP, `master_take`
+        # gathers the compute dtype and adds them up in fp32 itself).
+        if ax.kernel(ax.MASTER_EINSUM) is not None:  # a layout that casts master weights before gathering them
+            x_BSD = master_take(self.embedding[...], tokens_BS, jnp.dtype(self.dtype))
+        else:
+            x_BSD = jnp.take(ax.constrain(self.embedding[...], (None, None)), tokens_BS, axis=0)
         x_BSD = (x_BSD * jnp.asarray(self.scale, x_BSD.dtype) if self.scale != 1.0 else x_BSD).astype(self.dtype)
         return ax.constrain(x_BSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
 
     def attend(self, x_BSD: jax.Array) -> jax.Array:
         """Logits through the transposed embedding (tied embeddings)."""
+        if (master := ax.kernel(ax.MASTER_EINSUM)) is not None:
+            return master("bsd,vd->bsv", x_BSD.astype(self.dtype), self.embedding[...])
         return jnp.einsum("bsd,vd->bsv", x_BSD, self.embedding[...].astype(self.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def master_take(master_VD: jax.Array, tokens_BS: jax.Array, dtype) -> jax.Array:
+    """The tokens' rows of the master table cast to `dtype`: cast on its shard, then gathered whole (16-bit bytes
+    under FSDP); the gradient adds repeated tokens' rows up in fp32 and returns in the master's dtype."""
+    table_VD = ax.constrain(master_VD.astype(dtype), (ax.VOCAB, ax.EMBED))  # cast where the master lies
+    return jnp.take(ax.constrain(table_VD, (None, None)), tokens_BS, axis=0)
+
+
+def _take_fwd(master_VD, tokens_BS, dtype):
+    return master_take(master_VD, tokens_BS, dtype), (master_VD, tokens_BS)
+
+
+def _take_bwd(dtype, residuals, dx_BSD):
+    master_VD, tokens_BS = residuals
+    grad_VD = jnp.zeros(master_VD.shape, jnp.float32).at[tokens_BS].add(dx_BSD.astype(jnp.float32))
+    return ax.constrain(grad_VD, (None, None)).astype(master_VD.dtype), None
+
+
+master_take.defvjp(_take_fwd, _take_bwd)

@@ -1,12 +1,14 @@
 """Einsum-based dense layer whose kernel carries logical dim names (TP column/row follows from the names)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mlm_jax.layers import axes as ax
 from mlm_jax.layers.fp8 import fp8_einsum
 
 
@@ -32,8 +34,14 @@ class Linear(nnx.Module):
             self.bias = param(jnp.zeros(tuple(kernel_shape)[-bias_dims:], param_dtype), tuple(names)[-bias_dims:])
 
     def __call__(self, x: jax.Array, einsum: Callable = jnp.einsum) -> jax.Array:
-        """`einsum`: how a bf16 layer multiplies (a kernel for the caller's shapes)."""
-        x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        """`einsum`: how a bf16 layer multiplies (a kernel for the caller's shapes). A layout that installs
+        `axes.MASTER_EINSUM` (FSDP) gets the master weight itself, to cast where it chooses."""
+        x = x.astype(self.dtype)
+        master = ax.kernel(ax.MASTER_EINSUM)
+        if self.precision == "bf16" and einsum is jnp.einsum and master is not None:
+            y = master(self.equation, x, self.kernel[...])
+            return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
+        kernel = self.kernel[...].astype(self.dtype)
         if self.precision == "fp8":
             y = fp8_einsum(self.equation, x, kernel)
         elif self.precision == "fp8_te":
@@ -42,3 +50,28 @@ class Linear(nnx.Module):
         else:
             y = einsum(self.equation, x, kernel)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def master_einsum(equation: str, x: jax.Array, master: jax.Array) -> jax.Array:
+    """`einsum(equation, x, master.astype(x.dtype))` whose weight gradient is an fp32 product, returned in the
+    master's dtype. Under FSDP the master's shard is cast before XLA gathers it (16-bit bytes on the wire) and the
+    weight gradient's partial sums cross the data-parallel ranks in fp32, not in x's dtype. The equation contracts
+    x's dims with the kernel's into the output's (every `Linear`'s): each gradient is one einsum."""
+    return jnp.einsum(equation, x, master.astype(x.dtype))
+
+
+def _master_fwd(equation, x, master):
+    return master_einsum(equation, x, master), (x, master)
+
+
+def _master_bwd(equation, residuals, dy):
+    x, master = residuals
+    inputs, out = equation.split("->")
+    xs, ks = inputs.split(",")
+    dx = jnp.einsum(f"{out},{ks}->{xs}", dy, master.astype(x.dtype))
+    dw = jnp.einsum(f"{xs},{out}->{ks}", x, dy, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(master.dtype)
+
+
+master_einsum.defvjp(_master_fwd, _master_bwd)

@@ -9,7 +9,8 @@ loss is a mean over tokens, so the permutation leaves it unchanged. Expert paral
 computation with `expert.expert_parallel_ffn` whenever tokens are split over devices (with `expert` = 1 too: each
 device then sorts and multiplies only its own tokens, and the Hopper grouped GEMM is never partitioned by XLA).
 With fewer K/V heads than tensor ranks, attention gets each K/V head repeated once per rank that reads it
-(`repeated_kv_heads`), in front of whichever attention kernel the layout runs.
+(`repeated_kv_heads`), in front of whichever attention kernel the layout runs. FSDP hands each dense layer its
+master weight (`linear.master_einsum`): cast on its shard before the gather, weight gradient reduced in fp32.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 from mlm_jax.config import Config
 from mlm_jax.layers import axes as ax
 from mlm_jax.layers.attention import local_attention
+from mlm_jax.layers.linear import master_einsum
 from mlm_jax.parallel.context import context_attention, load_balance_order
 from mlm_jax.parallel.expert import expert_parallel_ffn
 
@@ -42,6 +44,8 @@ def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int],
         prepare = functools.partial(load_balance, perm=jnp.asarray(load_balance_order(cfg.train.seq_len, cp)))
     if cfg.model.moe.enabled and any(degrees[a] > 1 for a in ("data", "fsdp", "context", "expert", "tensor")):
         kernels[ax.EXPERT_FFN] = functools.partial(expert_parallel_ffn, mesh=mesh)
+    if degrees["fsdp"] > 1:  # weights gathered in the compute dtype, their gradients reduced in fp32
+        kernels[ax.MASTER_EINSUM] = master_einsum
     t, kv = degrees["tensor"], cfg.model.kv_heads
     if kv % t:
         kernels[ax.ATTENTION] = functools.partial(repeated_kv_heads, repeat=t // kv,

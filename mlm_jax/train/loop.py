@@ -201,6 +201,12 @@ class Trainer:
         params = self.state.params if params is None else jax.device_put(params, self.master_shardings)
         return self._grads(params, data_lib.global_batch(self.loader, step, self.batch_sharding))
 
+    def lowered_step(self, step: int | None = None) -> jax.stages.Lowered:
+        """The train step lowered on step `step`'s batch (default: the next step's), for reading its program:
+        `.as_text()`, or `.compile(compiler_options={"xla_dump_to": ...})` for XLA's passes."""
+        step = int(self.state.step) if step is None else step
+        return self._train_step.lower(self.state, data_lib.global_batch(self.loader, step, self.batch_sharding))
+
     def evaluate(self) -> float:
         """Mean loss over `train.eval_batches` fixed validation batches."""
         t = self.cfg.train

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from mlm_jax.config import OptimConfig
@@ -33,4 +34,22 @@ def decay_mask(params):
 def make_optimizer(o: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     adamw = optax.adamw(schedule(o, total_steps), b1=o.beta1, b2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
                         mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw) if o.clip_grad else adamw
+    tx = optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw) if o.clip_grad else adamw
+    return tx if o.moments_dtype == "float32" else stored_as(tx, jnp.dtype(o.moments_dtype))
+
+
+def stored_as(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`inner` with its floating-point state (Adam's moments) kept in `dtype` between steps and updated in fp32:
+    half the optimizer state's bytes in bf16, read and written once per step."""
+    def cast(tree, to):
+        return jax.tree.map(lambda x: x.astype(to) if jnp.issubdtype(getattr(x, "dtype", int), jnp.floating)
+                            else x, tree)
+
+    def init(params):
+        return cast(inner.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(init, update)
