@@ -40,15 +40,13 @@ class Linear(nnx.Module):
         master = ax.kernel(ax.MASTER_EINSUM)
         if self.precision == "bf16" and einsum is jnp.einsum and master is not None:
             y = master(self.equation, x, self.kernel[...])
-            return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
-        kernel = self.kernel[...].astype(self.dtype)
-        if self.precision == "fp8":
-            y = fp8_einsum(self.equation, x, kernel)
+        elif self.precision == "fp8":
+            y = fp8_einsum(self.equation, x, self.kernel[...].astype(self.dtype))
         elif self.precision == "fp8_te":
             from mlm_jax.layers import te  # optional backend, imported only when chosen
-            y = te.einsum(self.equation, x, kernel)
+            y = te.einsum(self.equation, x, self.kernel[...].astype(self.dtype))
         else:
-            y = einsum(self.equation, x, kernel)
+            y = einsum(self.equation, x, self.kernel[...].astype(self.dtype))
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
 
 
