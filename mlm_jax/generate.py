@@ -132,7 +132,7 @@ class Run:
         from mlm_jax.layers import gemv
         kernels, resolver = {}, contextlib.nullcontext()
         if self.platform == "gpu" and (self.mesh is None or self.mesh.size == 1):
-            kernels[ax.HEADS_OUT] = gemv.einsum
+            kernels[ax.FEW_ROWS] = gemv.einsum
         if self.mesh is not None:
             from mlm_jax.layers.attention import local_attention
             from mlm_jax.parallel.expert import expert_parallel_ffn
@@ -284,14 +284,14 @@ def main(argv=None) -> int:
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             stop_tokens=info.eos_ids)
             print(args.prompt, end="", flush=True)
-            shown, new = "", []
+            shown, text, new = "", "", []
             for token in tokens:
                 new.append(token)
                 text = info.tokenizer.decode(new, skip_special_tokens=True)
                 if not text.endswith("\ufffd"):  # an unfinished character waits for its next token
                     print(text[len(shown):], end="", flush=True)
                     shown = text
-            print()
+            print(text[len(shown):])  # what is left unfinished at the end, as the whole decode shows it
         except ConvertError as e:
             raise ValueError(str(e)) from None
     except ValueError as e:

@@ -1,6 +1,7 @@
 """The few-row product kernel of decode steps (`layers.gemv`), interpreted on CPU: equal to XLA's einsum (fp32,
 1e-5 of the result's scale) on both of its paths (summed on the CUDA cores up to 4 rows, tensor-core tiles from 5,
-padded), with several partial products over the contracted dims; shapes it does not take go to XLA's einsum."""
+padded), with one or several partial products over the contracted dims and several steps in each; shapes it does
+not take go to XLA's einsum."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,15 +11,16 @@ from mlm_jax.layers import gemv
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 32])
-@pytest.mark.parametrize("equation, x_shape, kernel_shape", [
-    ("bsnh,nhd->bsd", (4, 16), (4, 16, 96)),  # attention's output projection: two contracted dims
-    ("bsd,df->bsf", (128,), (128, 48)),
+@pytest.mark.parametrize("equation, x_shape, kernel_shape, config", [
+    ("bsnh,nhd->bsd", (4, 16), (4, 16, 96), (16, 32, 2)),  # attention's output projection: two contracted dims
+    ("bsd,df->bsf", (176,), (176, 48), (16, 16, 11)),  # one step in each of 11 partials
+    ("bsd,df->bsf", (128,), (128, 48), (16, 16, 1)),  # one partial of 8 steps
 ])
-def test_equals_xla_einsum(rows, equation, x_shape, kernel_shape):
+def test_equals_xla_einsum(rows, equation, x_shape, kernel_shape, config):
     kx, kw = jax.random.split(jax.random.key(rows))
     x = jax.random.normal(kx, (rows, 1, *x_shape))
     kernel = jax.random.normal(kw, kernel_shape)
-    got = gemv.einsum(equation, x, kernel, blocks=(16, 16), interpret=True)  # 4 or 8 partials, 3 or 6 columns
+    got = gemv.einsum(equation, x, kernel, config=config, interpret=True)
     want = jnp.einsum(equation, x, kernel, precision="highest")
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))

@@ -124,11 +124,31 @@ def test_each_decode_step_equals_the_whole_sequence(family, heads_out, monkeypat
     Pallas kernel (interpreted) that generation installs on a GPU."""
     calls, matmul = [], gemv.matmul
     monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
-    kernels = {ax.HEADS_OUT: functools.partial(gemv.einsum, interpret=True)} if heads_out else {}
+    kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True)} if heads_out else {}
     with ax.kernels(**kernels):
         _decode_steps_equal_the_whole_sequence(family)
     layers = load_config(None, FAMILIES[family]).model.num_layers
     assert len(calls) == (layers if heads_out else 0)  # each layer in the one trace of a decode step
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama3-qwen3-window"])  # norm scales around 0 (offset 1) and 1
+def test_folded_norms_leave_each_block_the_same_function(family):
+    """The layers generation runs (`layer_states`: the pre-norms' gains folded into the next weights, the norm
+    scales set to the identity) compute what the trained layers compute, through the training forward."""
+    model = _model(family)
+    x_BSD = jax.random.normal(jax.random.key(0), (2, 5, model.blocks.attn.c.dim))
+    positions_BS = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    nnx.update(model, jax.tree.map(lambda w: w + 0.3, nnx.state(model, nnx.Param)))  # gains away from 1
+    (stack, local), start, _ = model.runs[0]
+    stacked = nnx.state(getattr(model, stack))
+    plain = nnx.merge(nnx.graphdef(getattr(model, stack)), jax.tree.map(lambda w: w[start], stacked))
+    folded = nnx.merge(nnx.graphdef(getattr(model, stack)), model.layer_states()[0])
+    assert folded.foldable
+    assert not np.allclose(folded.attn.q.kernel[...], plain.attn.q.kernel[...])
+    np.testing.assert_array_equal(folded.mlp_norm.gain(), np.ones(model.blocks.attn.c.dim))
+    want, _ = plain(x_BSD, positions_BS, local)
+    got, _ = folded(x_BSD, positions_BS, local)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 def _decode_steps_equal_the_whole_sequence(family):

@@ -107,18 +107,20 @@ class Attention(nnx.Module):
         return self.out(attend(q_BSNH, k_BSKH, v_BSKH, self.c.impl, self.c.window, local))
 
     def prefill(self, x_BPD: jax.Array, positions_BP: jax.Array, local: bool, lengths_B: jax.Array,
-                length: int) -> tuple[jax.Array, dict]:
+                length: int, row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Attention over right-padded prompts of `lengths_B` tokens, as in training, and the key/value cache
-        (`layers.kv_cache`) it leaves for sequences of up to `length` positions."""
-        q_BPNH, k_BPKH, v_BPKH = self.project(x_BPD, positions_BP, local)
+        (`layers.kv_cache`) it leaves for sequences of up to `length` positions. `row_scale` ([B, P, 1]): the input norm's
+        per-row factor, its gain folded into the projections (`project`)."""
+        q_BPNH, k_BPKH, v_BPKH = self.project(x_BPD, positions_BP, local, row_scale)
         out_BPNH = attend(q_BPNH, k_BPKH, v_BPKH, self.c.impl, self.c.window, local)
         C = kv.slots(length, self.c.window if local else None)
         return self.out(out_BPNH), self._laid_out({"k": kv.fill(k_BPKH, lengths_B, C),
                                                    "v": kv.fill(v_BPKH, lengths_B, C)})
 
-    def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict) -> tuple[jax.Array, dict]:
+    def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
+               row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """New positions `positions_BT`: written to the cache, then attending over it."""
-        q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD, positions_BT, local)
+        q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD, positions_BT, local, row_scale)
         cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
         # a layout that replaces the attention kernel (`axes.ATTENTION`) attends through XLA's products, which
         # partition under any layout
@@ -131,11 +133,14 @@ class Attention(nnx.Module):
     def _laid_out(cache: dict) -> dict:
         return {k: ax.constrain(a, (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None)) for k, a in cache.items()}
 
-    def project(self, x_BSD: jax.Array, positions_BS: jax.Array, local) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries (scaled for the kernels' 1/sqrt(head_dim)), keys and values, normed and rotated."""
-        q_BSNH = ax.constrain(self.q(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
-        k_BSKH = ax.constrain(self.k(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
-        v_BSKH = ax.constrain(self.v(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
+    def project(self, x_BSD: jax.Array, positions_BS: jax.Array, local,
+                row_scale_BS1: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries (scaled for the kernels' 1/sqrt(head_dim)), keys and values, normed and rotated; each product
+        times `row_scale_BS1` (see `Linear`) if given."""
+        scale = None if row_scale_BS1 is None else row_scale_BS1[..., None]
+        q_BSNH = ax.constrain(self.q(x_BSD, row_scale=scale), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
+        k_BSKH = ax.constrain(self.k(x_BSD, row_scale=scale), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
+        v_BSKH = ax.constrain(self.v(x_BSD, row_scale=scale), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
         if self.c.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
         q_BSNH, k_BSKH = self.rotate(q_BSNH, positions_BS, local), self.rotate(k_BSKH, positions_BS, local)
@@ -144,8 +149,7 @@ class Attention(nnx.Module):
         return q_BSNH, k_BSKH, v_BSKH
 
     def out(self, out_BSNH: jax.Array) -> jax.Array:
-        return self.o(ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)),
-                      ax.kernel(ax.HEADS_OUT) or jnp.einsum)
+        return self.o(ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))
 
     def rotate(self, x_BSNH: jax.Array, positions_BS: jax.Array, local: bool | jax.Array) -> jax.Array:
         """RoPE of a local layer (its own base, where it has one) or of a full one; both, then a select, for a

@@ -44,7 +44,7 @@ ACTIVATION_AXES = (ACT_BATCH, ACT_SEQ, ACT_SEQ_SP, ACT_EMBED, ACT_HEADS, ACT_KV_
 ATTENTION = "attention"  # (q_BSNH, k_BSKH, v_BSKH) -> out_BSNH, causal
 EXPERT_FFN = "expert_ffn"  # layers.experts.expert_ffn's signature, minus `impl`-independent arguments
 MASTER_EINSUM = "master_einsum"  # layers.linear.master_einsum's signature: Linear's product from the master weight
-HEADS_OUT = "heads_out"  # (equation, x, kernel) -> jnp.einsum(...): attention's output projection over heads
+FEW_ROWS = "few_rows"  # (equation, x, kernel) -> jnp.einsum(...): a bf16 `Linear`'s product (decode steps)
 
 Names = Sequence[str | None]
 _kernels: contextvars.ContextVar[dict[str, Callable]] = contextvars.ContextVar("mlm_jax_kernels", default={})

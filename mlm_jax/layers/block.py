@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.layers import axes as ax
@@ -52,33 +53,68 @@ class Block(nnx.Module):
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> tuple[jax.Array, dict]:
         """The block's output and, for an MoE block, its routing statistics (`MoE.route`); `local`: a
         sliding-window layer."""
-        x_BSD, stats, _ = self.run(x_BSD, lambda h_BSD: (self.attn(h_BSD, positions_BS, local), None))
+        x_BSD, stats, _ = self.run(x_BSD, lambda h_BSD, _: (self.attn(h_BSD, positions_BS, local), None))
         return x_BSD, stats
 
     def prefill(self, x_BPD: jax.Array, positions_BP: jax.Array, local: bool, lengths_B: jax.Array,
                 length: int) -> tuple[jax.Array, dict]:
-        """The block over right-padded prompts, and its attention's key/value cache (`Attention.prefill`)."""
-        x_BPD, _, cache = self.run(x_BPD, lambda h: self.attn.prefill(h, positions_BP, local, lengths_B, length))
+        """The block over right-padded prompts, and its attention's key/value cache (`Attention.prefill`). Takes
+        a block of `Transformer.layer_states` (norms folded, `fold_norms`)."""
+        x_BPD, _, cache = self.run(x_BPD, lambda h, r: self.attn.prefill(h, positions_BP, local, lengths_B, length,
+                                                                          **scaled(r)), self.foldable)
         return x_BPD, cache
 
     def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict) -> tuple[jax.Array, dict]:
-        """The block at new positions, with its attention's cache (`Attention.decode`): its output and the cache."""
-        x_BTD, _, cache = self.run(x_BTD, lambda h_BTD: self.attn.decode(h_BTD, positions_BT, local, cache))
+        """The block at new positions, with its attention's cache (`Attention.decode`): its output and the cache.
+        Takes a block of `Transformer.layer_states` (norms folded, `fold_norms`)."""
+        x_BTD, _, cache = self.run(x_BTD, lambda h, r: self.attn.decode(h, positions_BT, local, cache, **scaled(r)),
+                                   self.foldable)
         return x_BTD, cache
 
-    def run(self, x_BSD: jax.Array, attention) -> tuple[jax.Array, dict, object]:
-        """The block around `attention(h_BSD) -> (output, extra)`; returns (output, statistics, extra)."""
+    @property
+    def foldable(self) -> bool:
+        """Whether both norms are RMSNorms feeding only products (attention's q, k, v and a dense MLP)."""
+        return self.attn_norm.kind == "rmsnorm" and isinstance(self.attn, Attention) and hasattr(self, "mlp")
+
+    def fold_norms(self) -> None:
+        """Each pre-norm's gain multiplied into the weights its output feeds, the norm's scale set to the identity
+        (the block computes the same function). A folded block's `prefill` and `decode` then skip the norms'
+        application: a product of the un-normed rows times each row's 1 / rms, which fuses into its consumer."""
+        assert self.foldable
+        for norm, linears in ((self.attn_norm, (self.attn.q, self.attn.k, self.attn.v)),
+                              (self.mlp_norm, (self.mlp.up, *([self.mlp.gate] if hasattr(self.mlp, "gate") else [])))):
+            gain_D = norm.gain()
+            for linear in linears:
+                w = linear.kernel[...]
+                linear.kernel[...] = (w.astype(jnp.float32) * gain_D.reshape(-1, *(1,) * (w.ndim - 1))).astype(w.dtype)
+            norm.scale[...] = jnp.full_like(norm.scale[...], 1.0 - norm.offset)
+
+    def run(self, x_BSD: jax.Array, attention, folded: bool = False) -> tuple[jax.Array, dict, object]:
+        """The block around `attention(h_BSD, row_scale_BS1) -> (output, extra)`; returns (output, statistics,
+        extra). `folded`: norms folded (`fold_norms`), the sublayers get the un-normed rows and 1 / rms."""
         with jax.named_scope("attention"):  # scopes name the kernels in profiles and HLO dumps
-            h_BSD = ax.constrain(self.attn_norm(x_BSD), GATHERED)
-            a_BSD, extra = attention(h_BSD)
+            h_BSD, r_BS1 = self.normed(self.attn_norm, x_BSD, folded)
+            a_BSD, extra = attention(h_BSD, r_BS1)
             x_BSD = ax.constrain(x_BSD + self.post(a_BSD, "attn"), RESIDUAL)
         with jax.named_scope("mlp"):
-            h_BSD = ax.constrain(self.mlp_norm(x_BSD), GATHERED)
-            y_BSD, stats = (self.mlp(h_BSD), {}) if hasattr(self, "mlp") else self.moe(h_BSD)
+            h_BSD, r_BS1 = self.normed(self.mlp_norm, x_BSD, folded)
+            y_BSD, stats = (self.mlp(h_BSD, r_BS1), {}) if hasattr(self, "mlp") else self.moe(h_BSD)
             return ax.constrain(x_BSD + self.post(y_BSD, "mlp"), RESIDUAL), stats, extra
+
+    @staticmethod
+    def normed(norm: Norm, x_BSD: jax.Array, folded: bool) -> tuple[jax.Array, jax.Array | None]:
+        """A sublayer's input and the row scale of its products."""
+        if folded:
+            return ax.constrain(x_BSD.astype(norm.dtype), GATHERED), norm.factor(x_BSD)
+        return ax.constrain(norm(x_BSD), GATHERED), None
 
     def post(self, y_BSD: jax.Array, part: str) -> jax.Array:
         """A sublayer's output, through its post-norm if the block has them."""
         if not hasattr(self, f"{part}_post_norm"):
             return y_BSD
         return getattr(self, f"{part}_post_norm")(ax.constrain(y_BSD, RESIDUAL))
+
+
+def scaled(row_scale: jax.Array | None) -> dict:
+    """The keyword of a folded block's row scale for `Attention.prefill` and `decode` (none for the others)."""
+    return {} if row_scale is None else {"row_scale": row_scale}

@@ -3,10 +3,10 @@ bandwidth.
 
 XLA rewrites a product whose operands hold fewer than 10M elements into a multiply and a reduction when its left
 side has one row, and the reduction over a weight's leading dims reads it at a fraction of the bandwidth (0.5 TB/s
-for the attention's output projection on an H200). Here each program multiplies the rows by one tile of the weight
-(a slice of the contracted dim by a slice of the output dim), on the tensor cores from 5 rows on (padded to their
-tile height), and writes an fp32 partial product; the partials over the contracted dim are summed outside, where XLA
-fuses the sum into whatever consumes the product.
+for the attention's output projection on an H200). Here each program multiplies the rows by one column block of the
+weight over one slice of the contracted dim, walking the slice in pipelined steps (on the tensor cores from 5 rows
+on, padded to their tile height), and writes an fp32 partial product; the partials over the slices are summed
+outside, where XLA fuses the sum into whatever consumes the product.
 """
 from __future__ import annotations
 
@@ -21,56 +21,88 @@ from jax.experimental.pallas import triton as pltriton
 MAX_ROWS = 64  # more rows: XLA's GEMMs are faster
 ROW_TILE = 16  # the tensor cores' tile height; from 5 to 15 rows are padded to it (the weight's bytes set the time)
 SUM_ROWS = 4  # up to this many rows (rounded up to a power of two), multiplied and summed on the CUDA cores
-BLOCKS = {True: (128, 64), False: (256, 128)}  # (block_k, block_n) for up to SUM_ROWS rows or more: measured on
-# an H200 for the attention output projection of llama-1b (a 2048 x 2048 bf16 weight: 5.9 us at 1 row, 6.9 at 32)
+# (block_k, block_n, programs) up to SUM_ROWS rows and beyond, measured on an H200 (llama-1b's output projection:
+# 3.9 us at one row, 6.9 at 32)
+FEW, MANY = (32, 128, 1024), (256, 128, 0)
 
 
-def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, blocks: tuple[int, int] | None = None,
+def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int, int, int] | None = None,
            interpret: bool = False) -> jax.Array:
     """`jnp.einsum(equation, x, kernel)`, through `matmul` where the equation contracts x's trailing dims with the
     kernel's leading ones (every `layers.linear.Linear`'s does), x has at most MAX_ROWS rows of 16-bit floats (or
-    `interpret`, which runs any dtype on any device) and the blocks divide the weight; otherwise XLA's einsum."""
+    `interpret`, which runs any dtype on any device) and blocks of at least 16 divide the weight; otherwise XLA's
+    einsum. Without a `config` ((block_k, block_n, splits)), a product over one contracted dim stays with XLA:
+    alone the kernel is faster at one row (llama-1b's down projection 6.7 against 15.8 us), but in a decode step
+    XLA fuses those products with their neighbours and the step was slower with the kernel (RESULTS.md)."""
     c = _contracted(equation)
     if c is None or not (interpret or x.dtype in (jnp.bfloat16, jnp.float16)):
         return jnp.einsum(equation, x, kernel)
     lead, out_dims = x.shape[:x.ndim - c], kernel.shape[c:]
     M, K, N = math.prod(lead), math.prod(x.shape[x.ndim - c:]), math.prod(out_dims)
-    block_k, block_n = blocks or BLOCKS[M <= SUM_ROWS]
-    bk, bn = _block(K, block_k), _block(N, block_n)
-    if M > MAX_ROWS or bk is None or bn is None:
+    if config is None and c == 1:
         return jnp.einsum(equation, x, kernel)
-    y_MN = matmul(x.reshape(M, K), kernel.reshape(K, N), block_k=bk, block_n=bn, interpret=interpret)
+    config = config or blocks_for(M, K, N)
+    if M > MAX_ROWS or config is None:
+        return jnp.einsum(equation, x, kernel)
+    block_k, block_n, splits = config
+    y_MN = matmul(x.reshape(M, K), kernel.reshape(K, N), block_k=block_k, block_n=block_n, splits=splits,
+                  interpret=interpret)
     return y_MN.reshape(*lead, *out_dims)
 
 
-def matmul(x_MK: jax.Array, w_KN: jax.Array, *, block_k: int, block_n: int, num_warps: int = 4,
-           interpret: bool = False) -> jax.Array:
-    """x @ w in x's dtype, fp32 accumulation; `block_k` and `block_n` (powers of two) divide K and N."""
+def blocks_for(M: int, K: int, N: int) -> tuple[int, int, int] | None:
+    """(block_k, block_n, splits) for an M x K by K x N product (FEW or MANY): the contracted dim split into the
+    fewest slices that make the target count of programs, or, for MANY, into single steps; None where no
+    power-of-two block of at least 16 divides K or N."""
+    target_k, target_n, programs = FEW if M <= SUM_ROWS else MANY
+    block_k, block_n = _block(K, target_k), _block(N, target_n)
+    if block_k is None or block_n is None:
+        return None
+    steps = K // block_k
+    if not programs:
+        return block_k, block_n, steps
+    enough = (d for d in range(1, steps + 1) if steps % d == 0 and (N // block_n) * d >= programs)
+    return block_k, block_n, next(enough, steps)
+
+
+def matmul(x_MK: jax.Array, w_KN: jax.Array, *, block_k: int, block_n: int, splits: int, num_warps: int = 4,
+           num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """x @ w in x's dtype, fp32 accumulation, as `splits` fp32 partial products over slices of K summed outside;
+    each program walks its slice in `block_k` steps (pipelined loads) for one `block_n` column block. Blocks are
+    powers of two; `block_n` divides N and `splits * block_k` divides K."""
     M, K = x_MK.shape
     N = w_KN.shape[1]
     rows = pl.next_power_of_2(M)
     rows = rows if rows <= SUM_ROWS else max(rows, ROW_TILE)
     x_RK = jnp.pad(x_MK.astype(w_KN.dtype), ((0, rows - M), (0, 0)))
-    S = K // block_k
+    steps = K // (splits * block_k)
     partial_SRN = pl.pallas_call(
-        _tile_product,
-        out_shape=jax.ShapeDtypeStruct((S, rows, N), jnp.float32),
-        grid=(N // block_n, S),
-        in_specs=[pl.BlockSpec((rows, block_k), lambda n, s: (0, s)),
-                  pl.BlockSpec((block_k, block_n), lambda n, s: (s, n))],
+        functools.partial(_split_product, block_k=block_k, block_n=block_n, steps=steps),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, N), jnp.float32),
+        grid=(N // block_n, splits),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((pl.squeezed, rows, block_n), lambda n, s: (s, 0, n)),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(x_RK, w_KN)
     return partial_SRN[:, :M].sum(0).astype(x_MK.dtype)
 
 
-def _tile_product(x_ref, w_ref, out_ref):
-    x_RK, w_KN = x_ref[...], w_ref[...]
-    if x_RK.shape[0] <= SUM_ROWS:
-        out_ref[...] = jnp.sum(x_RK[:, :, None].astype(jnp.float32) * w_KN[None].astype(jnp.float32), axis=1)
-    else:
-        out_ref[...] = jnp.dot(x_RK, w_KN, preferred_element_type=jnp.float32)
+def _split_product(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
+    n, s = pl.program_id(0), pl.program_id(1)
+    rows = out_ref.shape[0]
+    columns = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
+
+    def step(i, acc):
+        k = pl.ds(pl.multiple_of((s * steps + i) * block_k, block_k), block_k)
+        x_RK, w_KN = x_ref[:, k], w_ref[k, columns]
+        if rows <= SUM_ROWS:  # elementwise into a [rows, block_k, block_n] accumulator, summed once at the end
+            return acc + x_RK[:, :, None].astype(jnp.float32) * w_KN[None].astype(jnp.float32)
+        return acc + jnp.dot(x_RK, w_KN, preferred_element_type=jnp.float32)
+
+    shape = (rows, block_k, block_n) if rows <= SUM_ROWS else (rows, block_n)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+    out_ref[...] = acc.sum(1) if rows <= SUM_ROWS else acc
 
 
 @functools.cache

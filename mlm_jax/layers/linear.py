@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +33,14 @@ class Linear(nnx.Module):
         if bias_dims:
             self.bias = param(jnp.zeros(tuple(kernel_shape)[-bias_dims:], param_dtype), tuple(names)[-bias_dims:])
 
-    def __call__(self, x: jax.Array, einsum: Callable = jnp.einsum) -> jax.Array:
-        """`einsum`: how a bf16 layer multiplies (a kernel for the caller's shapes). A layout that installs
-        `axes.MASTER_EINSUM` (FSDP) gets the master weight itself, to cast where it chooses."""
+    def __call__(self, x: jax.Array, row_scale: jax.Array | None = None) -> jax.Array:
+        """A bf16 layer multiplies through the kernel installed as `axes.FEW_ROWS` (generation's few-row
+        products), if any; a layout that installs `axes.MASTER_EINSUM` (FSDP) gets the master weight itself, to cast
+        where it chooses. `row_scale` (fp32, broadcast against the product) multiplies the product before the bias:
+        a norm's per-row factor whose per-column gain is folded into the kernel (`Block.fold_norms`)."""
         x = x.astype(self.dtype)
         master = ax.kernel(ax.MASTER_EINSUM)
-        if self.precision == "bf16" and einsum is jnp.einsum and master is not None:
+        if self.precision == "bf16" and master is not None:
             y = master(self.equation, x, self.kernel[...])
         elif self.precision == "fp8":
             y = fp8_einsum(self.equation, x, self.kernel[...].astype(self.dtype))
@@ -46,7 +48,9 @@ class Linear(nnx.Module):
             from mlm_jax.layers import te  # optional backend, imported only when chosen
             y = te.einsum(self.equation, x, self.kernel[...].astype(self.dtype))
         else:
-            y = einsum(self.equation, x, self.kernel[...].astype(self.dtype))
+            y = (ax.kernel(ax.FEW_ROWS) or jnp.einsum)(self.equation, x, self.kernel[...].astype(self.dtype))
+        if row_scale is not None:
+            y = (y.astype(jnp.float32) * row_scale).astype(self.dtype)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
 
 

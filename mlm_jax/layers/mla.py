@@ -90,8 +90,7 @@ class LatentAttention(nnx.Module):
         return self.out(self.absorbed(q_BTNH, cache["latent"], cache["rope"], positions_BT)), self._laid_out(cache)
 
     def out(self, out_BSNV: jax.Array) -> jax.Array:
-        return self.o(ax.constrain(out_BSNV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)),
-                      ax.kernel(ax.HEADS_OUT) or jnp.einsum)
+        return self.o(ax.constrain(out_BSNV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))
 
     @staticmethod
     def _laid_out(cache: dict) -> dict:

@@ -19,12 +19,13 @@ class MLP(nnx.Module):
             self.gate = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)
         self.down = Linear("bsf,fd->bsd", (ffn, dim), (ax.MLP, ax.EMBED), std=out_std, **kw)
 
-    def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        h_BSF = self.up(x_BSD)
+    def __call__(self, x_BSD: jax.Array, row_scale_BS1: jax.Array | None = None) -> jax.Array:
+        """`row_scale_BS1`: the input norm's per-row factor, its gain folded into `up` and `gate`."""
+        h_BSF = self.up(x_BSD, row_scale=row_scale_BS1)
         if self.activation == "swiglu":
-            h_BSF = jax.nn.silu(self.gate(x_BSD)) * h_BSF
+            h_BSF = jax.nn.silu(self.gate(x_BSD, row_scale=row_scale_BS1)) * h_BSF
         elif self.activation == "geglu":
-            h_BSF = jax.nn.gelu(self.gate(x_BSD), approximate=True) * h_BSF
+            h_BSF = jax.nn.gelu(self.gate(x_BSD, row_scale=row_scale_BS1), approximate=True) * h_BSF
         else:
             h_BSF = jax.nn.gelu(h_BSF)
         h_BSF = ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))

@@ -23,8 +23,16 @@ class Norm(nnx.Module):
         x32 = x.astype(jnp.float32)
         if self.kind == "layernorm":
             x32 = x32 - x32.mean(-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
-        y = y * (self.offset + self.scale[...].astype(jnp.float32))
+        y = x32 * self.factor(x32) * self.gain()
         if self.kind == "layernorm":
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)
+
+    def factor(self, x: jax.Array) -> jax.Array:
+        """Each row's fp32 factor 1 / rms (an RMSNorm's output is x times it times `gain()`), with a last dim of 1."""
+        x32 = x.astype(jnp.float32)
+        return jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
+
+    def gain(self) -> jax.Array:
+        """The fp32 per-column multiplier, `offset + scale`."""
+        return self.offset + self.scale[...].astype(jnp.float32)

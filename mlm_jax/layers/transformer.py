@@ -263,13 +263,18 @@ class Transformer(nnx.Module):
 
     # -- incremental decoding -------------------------------------------------------------------------------------
     def layer_states(self) -> list:
-        """Each layer's weights on their own, in model order. Decoding runs every layer at every step: a layer
-        taken out of the stacked weights inside the decode loop would be copied at every step, once outside it
-        is read in place."""
+        """Each layer's weights on their own, in model order, with its norms folded into the next weights where
+        they can be (`Block.fold_norms`): the form `prefill` and `decode` run. Decoding runs every layer at every
+        step: a layer taken out of the stacked weights inside the decode loop would be copied at every step, once
+        outside it is read in place."""
         out = []
         for (stack, _), start, count in self.runs:
-            state = nnx.state(getattr(self, stack))
-            out += [jax.tree.map(lambda w: w[i], state) for i in range(start, start + count)]
+            graphdef, state = nnx.split(getattr(self, stack))
+            for i in range(start, start + count):
+                block = nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
+                if block.foldable:
+                    block.fold_norms()
+                out.append(nnx.state(block))
         return out
 
     def prefill(self, tokens_BP: jax.Array, lengths_B: jax.Array, length: int,
