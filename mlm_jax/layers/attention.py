@@ -109,8 +109,8 @@ class Attention(nnx.Module):
     def prefill(self, x_BPD: jax.Array, positions_BP: jax.Array, local: bool, lengths_B: jax.Array,
                 length: int, row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Attention over right-padded prompts of `lengths_B` tokens, as in training, and the key/value cache
-        (`layers.kv_cache`) it leaves for sequences of up to `length` positions. `row_scale` ([B, P, 1]): the input norm's
-        per-row factor, its gain folded into the projections (`project`)."""
+        (`layers.kv_cache`) it leaves for sequences of up to `length` positions. `row_scale` ([B, P, 1]): the
+        input norm's per-row factor, its gain folded into the projections (`project`)."""
         q_BPNH, k_BPKH, v_BPKH = self.project(x_BPD, positions_BP, local, row_scale)
         out_BPNH = attend(q_BPNH, k_BPKH, v_BPKH, self.c.impl, self.c.window, local)
         C = kv.slots(length, self.c.window if local else None)
@@ -119,7 +119,8 @@ class Attention(nnx.Module):
 
     def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
                row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """New positions `positions_BT`: written to the cache, then attending over it."""
+        """New positions `positions_BT`: written to the cache, then attending over it (`row_scale` as in
+        `prefill`)."""
         q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD, positions_BT, local, row_scale)
         cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
         # a layout that replaces the attention kernel (`axes.ATTENTION`) attends through XLA's products, which
