@@ -114,21 +114,21 @@ def _model(family: str) -> Transformer:
     return Transformer(load_config(None, overrides).model, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("family, heads_out", [("gemma3", False), ("deepseek-v3", False),
+@pytest.mark.parametrize("family, few_rows", [("gemma3", False), ("deepseek-v3", False),
                                                ("llama3-qwen3-window", False), ("qwen3-moe", False),
                                                ("llama3-qwen3-window", True), ("deepseek-v3", True)])
-def test_each_decode_step_equals_the_whole_sequence(family, heads_out, monkeypatch):
+def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatch):
     """Prompts of 3, 9 and 17 tokens, then 24 known tokens fed one step at a time: every step's logits equal those
     of the model run on the whole sequence, within 1e-5 of their scale (windows of 8 and 16: the ring caches
-    wrap). `heads_out`: the output projections of decode steps (latent attention's too) through the few-row
+    wrap). `few_rows`: the output projections of decode steps (latent attention's too) through the few-row
     Pallas kernel (interpreted) that generation installs on a GPU."""
     calls, matmul = [], gemv.matmul
     monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
-    kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True)} if heads_out else {}
+    kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True)} if few_rows else {}
     with ax.kernels(**kernels):
         _decode_steps_equal_the_whole_sequence(family)
     layers = load_config(None, FAMILIES[family]).model.num_layers
-    assert len(calls) == (layers if heads_out else 0)  # each layer in the one trace of a decode step
+    assert len(calls) == (layers if few_rows else 0)  # each layer in the one trace of a decode step
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama3-qwen3-window"])  # norm scales around 0 (offset 1) and 1
