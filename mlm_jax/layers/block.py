@@ -81,8 +81,8 @@ class Block(nnx.Module):
         (the block computes the same function). A folded block's `prefill` and `decode` then skip the norms'
         application: a product of the un-normed rows times each row's 1 / rms, which fuses into its consumer."""
         assert self.foldable
-        for norm, linears in ((self.attn_norm, (self.attn.q, self.attn.k, self.attn.v)),
-                              (self.mlp_norm, (self.mlp.up, *([self.mlp.gate] if hasattr(self.mlp, "gate") else [])))):
+        mlp = [self.mlp.up] + ([self.mlp.gate] if hasattr(self.mlp, "gate") else [])
+        for norm, linears in ((self.attn_norm, (self.attn.q, self.attn.k, self.attn.v)), (self.mlp_norm, mlp)):
             gain_D = norm.gain()
             for linear in linears:
                 w = linear.kernel[...]

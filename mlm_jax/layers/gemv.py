@@ -21,9 +21,9 @@ from jax.experimental.pallas import triton as pltriton
 MAX_ROWS = 64  # more rows: XLA's GEMMs are faster
 ROW_TILE = 16  # the tensor cores' tile height; from 5 to 15 rows are padded to it (the weight's bytes set the time)
 SUM_ROWS = 4  # up to this many rows (rounded up to a power of two), multiplied and summed on the CUDA cores
-# (block_k, block_n, programs) up to SUM_ROWS rows and beyond, measured on an H200 (llama-1b's output projection:
-# 3.9 us at one row, 6.9 at 32)
-FEW, MANY = (32, 128, 1024), (256, 128, 0)
+# (block_k, block_n, programs) up to SUM_ROWS rows and beyond (None: one step a program), measured on an H200
+# (llama-1b's output projection: 3.9 us at one row, 6.9 at 32)
+FEW, MANY = (32, 128, 1024), (256, 128, None)
 
 
 def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int, int, int] | None = None,
@@ -59,7 +59,7 @@ def blocks_for(M: int, K: int, N: int) -> tuple[int, int, int] | None:
     if block_k is None or block_n is None:
         return None
     steps = K // block_k
-    if not programs:
+    if programs is None:
         return block_k, block_n, steps
     enough = (d for d in range(1, steps + 1) if steps % d == 0 and (N // block_n) * d >= programs)
     return block_k, block_n, next(enough, steps)
