@@ -138,16 +138,40 @@ class Attention(nnx.Module):
                 row_scale_BS1: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (scaled for the kernels' 1/sqrt(head_dim)), keys and values, normed and rotated; each product
         times `row_scale_BS1` (see `Linear`) if given."""
-        scale = None if row_scale_BS1 is None else row_scale_BS1[..., None]
-        q_BSNH = ax.constrain(self.q(x_BSD, row_scale=scale), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
-        k_BSKH = ax.constrain(self.k(x_BSD, row_scale=scale), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
-        v_BSKH = ax.constrain(self.v(x_BSD, row_scale=scale), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
+        if hasattr(self, "qkv"):
+            scale = None if row_scale_BS1 is None else row_scale_BS1[..., None, None]
+            y_BSKJH = self.qkv(x_BSD, row_scale=scale)  # J: a K/V head's G query heads, its key, its value
+            G = self.c.num_heads // self.c.kv_heads
+            q_BSNH = y_BSKJH[..., :G, :].reshape(*y_BSKJH.shape[:2], self.c.num_heads, self.c.head_dim)
+            k_BSKH, v_BSKH = y_BSKJH[..., G, :], y_BSKJH[..., G + 1, :]
+        else:
+            scale = None if row_scale_BS1 is None else row_scale_BS1[..., None]
+            q_BSNH, k_BSKH, v_BSKH = (self.q(x_BSD, row_scale=scale), self.k(x_BSD, row_scale=scale),
+                                      self.v(x_BSD, row_scale=scale))
+        q_BSNH = ax.constrain(q_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
+        k_BSKH = ax.constrain(k_BSKH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
+        v_BSKH = ax.constrain(v_BSKH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
         if self.c.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
         q_BSNH, k_BSKH = self.rotate(q_BSNH, positions_BS, local), self.rotate(k_BSKH, positions_BS, local)
         if self.c.scale is not None:  # every kernel divides by sqrt(head_dim)
             q_BSNH = q_BSNH * jnp.asarray(self.c.scale * math.sqrt(self.c.head_dim), q_BSNH.dtype)
         return q_BSNH, k_BSKH, v_BSKH
+
+    def fuse_projections(self) -> None:
+        """q, k and v as one product `qkv` over a [D, K, G + 2, H] kernel (each K/V head's G query heads, its key,
+        its value: a split over K/V heads keeps each group whole), the same function: a decode step reads the
+        three weights in one pass."""
+        c = self.c
+        D, K, G, H = c.dim, c.kv_heads, c.num_heads // c.kv_heads, c.head_dim
+        parts = (self.q.kernel[...].reshape(D, K, G, H), self.k.kernel[...][:, :, None], self.v.kernel[...][:, :, None])
+        bias = None
+        if c.qkv_bias:
+            bias = jnp.concatenate([self.q.bias[...].reshape(K, G, H), self.k.bias[...][:, None],
+                                    self.v.bias[...][:, None]], axis=1)
+        self.qkv = self.q.refit("bsd,dkjh->bskjh", jnp.concatenate(parts, axis=2),
+                                (ax.EMBED, ax.KV_HEADS, None, ax.HEAD_DIM), bias)
+        del self.q, self.k, self.v
 
     def out(self, out_BSNH: jax.Array) -> jax.Array:
         return self.o(ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))

@@ -89,6 +89,15 @@ class Block(nnx.Module):
                 linear.kernel[...] = (w.astype(jnp.float32) * gain_D.reshape(-1, *(1,) * (w.ndim - 1))).astype(w.dtype)
             norm.scale[...] = jnp.full_like(norm.scale[...], 1.0 - norm.offset)
 
+    def fuse_projections(self) -> None:
+        """Products sharing an input as one (`Attention.fuse_projections`, `MLP.fuse_projections`), for 16-bit
+        products (an fp8 product's scale is the whole kernel's); the block computes the same function."""
+        if self.attn.q.precision != "bf16":
+            return
+        self.attn.fuse_projections()
+        if hasattr(self, "mlp") and hasattr(self.mlp, "gate"):
+            self.mlp.fuse_projections()
+
     def run(self, x_BSD: jax.Array, attention, folded: bool = False) -> tuple[jax.Array, dict, object]:
         """The block around `attention(h_BSD, row_scale_BS1) -> (output, extra)`; returns (output, statistics,
         extra). `folded`: norms folded (`fold_norms`), the sublayers get the un-normed rows and 1 / rms."""

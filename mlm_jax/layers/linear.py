@@ -33,6 +33,18 @@ class Linear(nnx.Module):
         if bias_dims:
             self.bias = param(jnp.zeros(tuple(kernel_shape)[-bias_dims:], param_dtype), tuple(names)[-bias_dims:])
 
+    def refit(self, equation: str, kernel: jax.Array, names: Sequence[str | None],
+              bias: jax.Array | None = None) -> Linear:
+        """This layer over another equation and weights (its dtype and precision): a product formed from others
+        (`Attention.fuse_projections`)."""
+        self.equation = equation
+        self.kernel = param(kernel, names)
+        if bias is not None:
+            self.bias = param(bias, tuple(names)[kernel.ndim - bias.ndim:])
+        elif hasattr(self, "bias"):
+            del self.bias
+        return self
+
     def __call__(self, x: jax.Array, row_scale: jax.Array | None = None) -> jax.Array:
         """A bf16 layer multiplies through the kernel installed as `axes.FEW_ROWS` (generation's few-row
         products), if any; a layout that installs `axes.MASTER_EINSUM` (FSDP) gets the master weight itself, to cast

@@ -3,6 +3,7 @@ row (out) split over `mlp`."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.layers import axes as ax
@@ -21,12 +22,25 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, row_scale_BS1: jax.Array | None = None) -> jax.Array:
         """`row_scale_BS1`: the input norm's per-row factor, its gain folded into `up` and `gate`."""
-        h_BSF = self.up(x_BSD, row_scale=row_scale_BS1)
+        if hasattr(self, "gate_up"):
+            scale = None if row_scale_BS1 is None else row_scale_BS1[..., None]
+            y_BS2F = self.gate_up(x_BSD, row_scale=scale)
+            g_BSF, h_BSF = y_BS2F[..., 0, :], y_BS2F[..., 1, :]
+        else:
+            h_BSF = self.up(x_BSD, row_scale=row_scale_BS1)
+            g_BSF = self.gate(x_BSD, row_scale=row_scale_BS1) if hasattr(self, "gate") else None
         if self.activation == "swiglu":
-            h_BSF = jax.nn.silu(self.gate(x_BSD, row_scale=row_scale_BS1)) * h_BSF
+            h_BSF = jax.nn.silu(g_BSF) * h_BSF
         elif self.activation == "geglu":
-            h_BSF = jax.nn.gelu(self.gate(x_BSD, row_scale=row_scale_BS1), approximate=True) * h_BSF
+            h_BSF = jax.nn.gelu(g_BSF, approximate=True) * h_BSF
         else:
             h_BSF = jax.nn.gelu(h_BSF)
         h_BSF = ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))
         return self.down(h_BSF)
+
+    def fuse_projections(self) -> None:
+        """A gated MLP's gate and up as one product `gate_up` over a [D, 2, F] kernel (a split over F keeps each
+        column's pair), the same function: a decode step reads both weights in one pass."""
+        kernel = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1)
+        self.gate_up = self.gate.refit("bsd,dcf->bscf", kernel, (ax.EMBED, None, ax.MLP))
+        del self.gate, self.up

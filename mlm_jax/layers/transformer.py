@@ -262,20 +262,23 @@ class Transformer(nnx.Module):
         return x_BSD, jax.tree.map(lambda *s: jnp.concatenate(s), *out) if stats else {}
 
     # -- incremental decoding -------------------------------------------------------------------------------------
-    def layer_states(self) -> list:
-        """Each layer's weights on their own, in model order, with its norms folded into the next weights where
-        they can be (`Block.fold_norms`): the form `prefill` and `decode` run. Decoding runs every layer at every
-        step: a layer taken out of the stacked weights inside the decode loop would be copied at every step, once
-        outside it is read in place."""
-        out = []
-        for (stack, _), start, count in self.runs:
-            graphdef, state = nnx.split(getattr(self, stack))
-            for i in range(start, start + count):
-                block = nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
-                if block.foldable:
-                    block.fold_norms()
-                out.append(nnx.state(block))
-        return out
+    def layer_states(self, fuse: bool = True) -> list:
+        """Each layer's weights on their own, in model order, in the form `prefill` and `decode` run (`layer`).
+        Decoding runs every layer at every step: a layer taken out of the stacked weights inside the decode loop
+        would be copied at every step, once outside it is read in place."""
+        return [nnx.state(self.layer(stack, i, fuse)) for (stack, _), start, count in self.runs
+                for i in range(start, start + count)]
+
+    def layer(self, stack: str, i: int, fuse: bool = True) -> Block:
+        """Layer `i` of `stack` with its norms folded into the next weights and, with `fuse`, its products sharing
+        an input fused, where they can be (`Block.fold_norms`, `Block.fuse_projections`): the same function."""
+        graphdef, state = nnx.split(getattr(self, stack))
+        block = nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
+        if block.foldable:
+            block.fold_norms()
+            if fuse:
+                block.fuse_projections()
+        return block
 
     def prefill(self, tokens_BP: jax.Array, lengths_B: jax.Array, length: int,
                 layers: list | None = None) -> tuple[jax.Array, list]:
@@ -303,9 +306,12 @@ class Transformer(nnx.Module):
         """(block, local) for every layer in model order, unrolled whatever `scan_layers` says: each layer updates
         its own cache buffer in place."""
         layers = iter(self.layer_states() if layers is None else layers)
-        for (stack, local), _, count in self.runs:
-            graphdef = nnx.graphdef(getattr(self, stack))
-            for _ in range(count):
+        for (stack, local), start, count in self.runs:
+            first = next(layers)
+            fused = "attn" in first and "qkv" in first["attn"]  # as `layer_states(fuse)` made them
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda s=stack, i=start, f=fused: self.layer(s, i, f)))
+            yield nnx.merge(graphdef, first), local
+            for _ in range(count - 1):
                 yield nnx.merge(graphdef, next(layers)), local
 
     def logits(self, x_BSD: jax.Array) -> jax.Array:
