@@ -1,6 +1,7 @@
 """The few-row decode attention kernel (`layers.flash_decode`), interpreted on CPU: equal to the cache's reference
 attention (`kv_cache.attend_cached` through XLA, fp32, 1e-5 of the output's scale) for full and grouped heads,
-spans of one or several blocks, spans with no written slot, a partly written last block and a full ring; shapes it does not take go elsewhere."""
+spans of one or several blocks, spans with no written slot, a partly written last block and a full ring; shapes it
+does not take go elsewhere."""
 import jax
 import jax.numpy as jnp
 import numpy as np
