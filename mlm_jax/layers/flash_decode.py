@@ -94,8 +94,8 @@ def _span(written_ref, q_ref, k_ref, v_ref, max_ref, sum_ref, acc_ref, *, block,
 
 
 def _block(G: int, H: int) -> int:
-    """Slots a step reads: the largest power of two from 16 to MAX_BLOCK whose [G, block, H] product fits
-    PRODUCT."""
+    """Slots a step reads: the largest power of two up to MAX_BLOCK whose [G, block, H] product fits PRODUCT, and
+    at least 16."""
     return max(16, min(MAX_BLOCK, PRODUCT // (G * H)))
 
 
