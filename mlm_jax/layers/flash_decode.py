@@ -1,11 +1,12 @@
-"""A decode step's attention over the cache for a few rows, as a Pallas kernel that reads the cache at memory
-bandwidth (flash-decoding: the written slots split among many programs, their partial softmaxes combined after).
+"""A decode step's attention over the cache for a few rows, as a Pallas kernel (flash-decoding: the written slots
+split among many programs, their partial softmaxes combined after).
 
 At one query per row, cuDNN's flash kernel runs a 16-row query tile and a split reduction of its own: 8.8 us a
 layer to read llama-1b's 5.2 MB cache at one row (RESULTS.md). Here each program takes one row, one K/V head and one
 span of slots, walks the span in pipelined blocks with an online softmax in fp32 (products on the CUDA cores: a
 K/V head's G queries are too few rows for the tensor cores), and writes its running max, sum and weighted values;
-XLA combines the spans in the fusion that feeds the output projection.
+XLA combines the spans in the fusion that feeds the output projection. Small blocks and few warps keep many
+programs, and so many loads, in flight (llama-1b's decode step at one row: 0.909 ms against 0.954 with cuDNN).
 """
 from __future__ import annotations
 
@@ -48,9 +49,7 @@ def attend(q_BTNH: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array, written_B: j
         per_span += 1
     spans = blocks // per_span
     q_BKGH = q_BTNH.reshape(B, K, G, H)
-    out_shape = [jax.ShapeDtypeStruct((B, K, spans, G), jnp.float32), jax.ShapeDtypeStruct((B, K, spans, G),
-                                                                                           jnp.float32),
-                 jax.ShapeDtypeStruct((B, K, spans, G, H), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((B, K, spans, *shape), jnp.float32) for shape in ((G,), (G,), (G, H))]
     spec = lambda *shape: pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, *shape),  # noqa: E731
                                        lambda b, k, s: (b, k, s, *(0,) * len(shape)))
     max_BKSG, sum_BKSG, acc_BKSGH = pl.pallas_call(
