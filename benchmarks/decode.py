@@ -16,9 +16,10 @@ Roofline of one decode step at batch B: bytes = 2 x (all parameters, minus the i
 step reads only B rows; an output head counts whole, tied or not) + the KV cache, L x 2 (keys, values) x K kv
 heads x head_dim x 2 bytes per position, times B rows times the positions a step attends to averaged over the
 decode steps (P + N/2); time = bytes / --bandwidth. `roofline_fraction` = that time / the measured time per step. The
-same subprocess measures a 2 GiB device-to-device copy (bytes read + written over time) as a check of
---bandwidth. Results: a table, one line per batch size appended to <results-dir>/results.jsonl (`"bench":
-"decode"`) and one row to <results-dir>/RESULTS.md (default: benchmarks/). See benchmarks/README.md.
+same subprocess measures a 2 GiB device-to-device copy (bytes read + written over time) and a 2 GiB read (a
+reduction: what a decode step's products can reach) as checks of --bandwidth. Results: a table, one line per
+batch size appended to <results-dir>/results.jsonl (`"bench": "decode"`) and one row to <results-dir>/RESULTS.md
+(default: benchmarks/). See benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def run_ours(args, cfg) -> dict:
     src = jnp.zeros(COPY_BYTES // 2, jnp.uint16)
     copy = jax.jit(jnp.copy)  # a real copy kernel: XLA cannot alias a parameter that is not donated
     copy_s = median_time(lambda: copy(src).block_until_ready(), args.repeats)
+    read = jax.jit(jnp.max)
+    read_s = median_time(lambda: read(src).block_until_ready(), args.repeats)
     del src
     rng, runs = np.random.default_rng(0), {}
     for B in args.batches:
@@ -85,7 +88,8 @@ def run_ours(args, cfg) -> dict:
     device = jax.devices()[0]
     return {"platform": device.platform, "gpu": device.device_kind, "jax_version": jax.__version__,
             "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
-            "measured_copy_bandwidth": 2 * COPY_BYTES / copy_s, "runs": runs}
+            "measured_copy_bandwidth": 2 * COPY_BYTES / copy_s, "measured_read_bandwidth": COPY_BYTES / read_s,
+            "runs": runs}
 
 
 def run_hf(args, cfg) -> dict:
@@ -197,6 +201,7 @@ def records(args, cfg, ours: dict, hf: dict | None, hf_error: str | None) -> lis
             "roofline_fraction": nbytes / args.bandwidth / o_step if o_step else None,
             "hf_roofline_fraction": nbytes / args.bandwidth / h_step if h_step else None,
             "bandwidth": args.bandwidth, "measured_copy_bandwidth": ours["measured_copy_bandwidth"],
+            "measured_read_bandwidth": ours["measured_read_bandwidth"],
             "ours": ours["runs"][str(B)], "hf": hf_run, "hf_error": hf_error or (hf_run or {}).get("error"),
             "hf_device": hf and hf["device"], "hf_note": hf and hf["note"], "hf_warnings": hf_mismatches(m),
             "num_params": ours["num_params"], "platform": ours["platform"], "jax_version": ours["jax_version"],
@@ -257,7 +262,8 @@ def main_parent(args, cfg) -> int:
             print(f"warning: batch {rec['batch']}: decoding took no longer than prefilling (within noise); "
                   f"raise --new-tokens", file=sys.stderr)
     print(f"\n{cfg.name} on {ours['gpu']}: prompt {args.prompt_len}, {args.new_tokens} new tokens; copy bandwidth "
-          f"{ours['measured_copy_bandwidth']:.3g} B/s (roofline at {args.bandwidth:.3g})")
+          f"{ours['measured_copy_bandwidth']:.3g} B/s, read {ours['measured_read_bandwidth']:.3g} B/s (roofline at "
+          f"{args.bandwidth:.3g})")
     print(table(recs))
     print(f"\nappended {len(recs)} line(s) to {os.path.join(results_dir, 'results.jsonl')} and "
           f"{os.path.join(results_dir, 'RESULTS.md')}")
