@@ -136,7 +136,7 @@ class Run:
         from mlm_jax.layers import flash_decode, gemv
         kernels, resolver = {}, contextlib.nullcontext()
         if self.platform == "gpu" and (self.mesh is None or self.mesh.size == 1):
-            kernels[ax.FEW_ROWS], kernels[ax.CACHED_ATTENTION] = gemv.einsum, flash_decode.attend
+            kernels[ax.FEW_ROWS], kernels[ax.CACHED_ATTENTION] = gemv.einsum, flash_decode.step
         if self.mesh is not None:
             from mlm_jax.layers.attention import local_attention
             from mlm_jax.parallel.expert import expert_parallel_ffn

@@ -1,14 +1,17 @@
-"""The few-row decode attention kernel (`layers.flash_decode`), interpreted on CPU: equal to the cache's reference
-attention (`kv_cache.attend_cached` through XLA, fp32, 1e-5 of the output's scale) for full and grouped heads,
-spans of one or several blocks, spans with no written slot, a partly written last block and a full ring; shapes it
-does not take go elsewhere."""
+"""The few-row decode step kernel (`layers.flash_decode.step`), interpreted on CPU: equal to XLA's reference (RoPE
+of the new query and key by `rope.apply_rope`, `kv_cache.write`, `kv_cache.attend_cached`; fp32, 1e-5 of the
+output's scale) for full and grouped heads, spans of one or several blocks, spans with no written slot, a partly
+written last block, a full ring and the new slot in its middle; the caches it returns equal the written ones, every
+other slot untouched. Shapes it does not take go elsewhere."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlm_jax.layers import axes as ax
 from mlm_jax.layers import flash_decode, kv_cache
+from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
 
 
 @pytest.mark.parametrize("programs", [flash_decode.PROGRAMS, 4])  # one block a program; spans of several
@@ -19,23 +22,32 @@ from mlm_jax.layers import flash_decode, kv_cache
 ])
 def test_equals_the_reference(B, N, K, H, C, positions, programs, monkeypatch):
     monkeypatch.setattr(flash_decode, "PROGRAMS", programs)
-    kq, kk, kv = jax.random.split(jax.random.key(B), 3)
-    q_BTNH = jax.random.normal(kq, (B, 1, N, H))
-    k_BCKH, v_BCKH = jax.random.normal(kk, (B, C, K, H)), jax.random.normal(kv, (B, C, K, H))
+    keys = jax.random.split(jax.random.key(B), 5)
+    q_BTNH = jax.random.normal(keys[0], (B, 1, N, H))
+    k_BTKH, v_BTKH = (jax.random.normal(key, (B, 1, K, H)) for key in keys[1:3])
+    k_BCKH, v_BCKH = (jax.random.normal(key, (B, C, K, H)) for key in keys[3:])
     positions_BT = jnp.asarray(positions, jnp.int32)[:, None]
-    assert flash_decode.supports(q_BTNH, k_BCKH)
-    want = kv_cache.attend_cached(q_BTNH, k_BCKH, v_BCKH, positions_BT, None, "xla")
-    with ax.kernels(**{ax.CACHED_ATTENTION: lambda *a: flash_decode.attend(*a, interpret=True)}):
-        got = kv_cache.attend_cached(q_BTNH, k_BCKH, v_BCKH, positions_BT, None, "xla")
+    rope = RopeConfig(theta=100.0, rotary_dim=H)
+    scale = 0.3
+    assert flash_decode.supports(q_BTNH, k_BCKH, H)
+    want_k = kv_cache.write(k_BCKH, apply_rope(k_BTKH, positions_BT, rope), positions_BT)
+    want_v = kv_cache.write(v_BCKH, v_BTKH, positions_BT)
+    q_scaled = apply_rope(q_BTNH, positions_BT, rope) * (scale * math.sqrt(H))  # the reference divides by sqrt(H)
+    want = kv_cache.attend_cached(q_scaled, want_k, want_v, positions_BT, None, "xla")
+    got, got_k, got_v = jax.jit(lambda *a: flash_decode.step(*a, scale=scale, interpret=True))(
+        q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), k_BCKH, v_BCKH, positions_BT)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(got_k, want_k, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(got_v, want_v)
 
 
-@pytest.mark.parametrize("q_shape, k_shape", [
-    ((5, 1, 4, 16), (5, 128, 4, 16)),  # more rows than MAX_ROWS
-    ((1, 2, 4, 16), (1, 128, 4, 16)),  # two queries a row (a prefill)
-    ((1, 1, 6, 16), (1, 128, 2, 16)),  # three queries a K/V head
-    ((1, 1, 4, 24), (1, 128, 4, 24)),  # head dim not a power of two
-    ((1, 1, 4, 16), (1, 72, 4, 16)),  # no block divides the cache
+@pytest.mark.parametrize("q_shape, k_shape, rotary_dim", [
+    ((5, 1, 4, 16), (5, 128, 4, 16), 16),  # more rows than MAX_ROWS
+    ((1, 2, 4, 16), (1, 128, 4, 16), 16),  # two queries a row (a prefill)
+    ((1, 1, 6, 16), (1, 128, 2, 16), 16),  # three queries a K/V head
+    ((1, 1, 4, 24), (1, 128, 4, 24), 24),  # head dim not a power of two
+    ((1, 1, 4, 16), (1, 72, 4, 16), 16),  # no block divides the cache
+    ((1, 1, 4, 16), (1, 128, 4, 16), 8),  # partial rotary
 ])
-def test_other_shapes_are_not_taken(q_shape, k_shape):
-    assert not flash_decode.supports(jnp.zeros(q_shape), jnp.zeros(k_shape))
+def test_other_shapes_are_not_taken(q_shape, k_shape, rotary_dim):
+    assert not flash_decode.supports(jnp.zeros(q_shape), jnp.zeros(k_shape), rotary_dim)

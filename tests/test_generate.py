@@ -127,7 +127,7 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
     monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
     attends = []
     kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True),
-               ax.CACHED_ATTENTION: lambda *a: attends.append(1) or flash_decode.attend(*a, interpret=True)}
+               ax.CACHED_ATTENTION: lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True)}
     with ax.kernels(**(kernels if few_rows else {})):
         _decode_steps_equal_the_whole_sequence(family)
     layers = load_config(None, FAMILIES[family]).model.num_layers

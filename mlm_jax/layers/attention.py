@@ -9,10 +9,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers import flash_decode
 from mlm_jax.layers import kv_cache as kv
 from mlm_jax.layers.linear import Linear
 from mlm_jax.layers.norm import Norm
-from mlm_jax.layers.rope import RopeConfig, apply_rope
+from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
 
 
 @dataclass(frozen=True)
@@ -120,14 +121,25 @@ class Attention(nnx.Module):
     def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
                row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """New positions `positions_BT`: written to the cache, then attending over it (`row_scale` as in
-        `prefill`)."""
-        q_BTNH, k_BTKH, v_BTKH = self.project(x_BTD, positions_BT, local, row_scale)
+        `prefill`). A few rows' single position goes to the kernel installed as `axes.CACHED_ATTENTION`
+        (`layers.flash_decode.step`: rotation, cache writes and attention in one) where it takes the shapes."""
+        q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, row_scale)
+        window = self.c.window if local else None
+        rope = self.rope(local)
+        few_rows = ax.kernel(ax.CACHED_ATTENTION)
+        C = cache["k"].shape[1]
+        if (few_rows is not None and (window is None or C <= window)
+                and flash_decode.supports(q_BTNH, cache["k"], rope.rotary_dim)):
+            scale = self.c.scale if self.c.scale is not None else 1 / math.sqrt(self.c.head_dim)
+            out_BTNH, k_BCKH, v_BCKH = few_rows(q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), cache["k"],
+                                                cache["v"], positions_BT, scale=scale)
+            return self.out(out_BTNH), self._laid_out({"k": k_BCKH, "v": v_BCKH})
+        q_BTNH, k_BTKH = self.rotated(q_BTNH, k_BTKH, positions_BT, local)
         cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
         # a layout that replaces the attention kernel (`axes.ATTENTION`) attends through XLA's products, which
         # partition under any layout
         impl = "xla" if ax.kernel(ax.ATTENTION) else kernel_for(self.c.impl, q_BTNH.dtype)
-        out_BTNH = kv.attend_cached(q_BTNH, cache["k"], cache["v"], positions_BT, self.c.window if local else None,
-                                    impl)
+        out_BTNH = kv.attend_cached(q_BTNH, cache["k"], cache["v"], positions_BT, window, impl)
         return self.out(out_BTNH), self._laid_out(cache)
 
     @staticmethod
@@ -138,6 +150,12 @@ class Attention(nnx.Module):
                 row_scale_BS1: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (scaled for the kernels' 1/sqrt(head_dim)), keys and values, normed and rotated; each product
         times `row_scale_BS1` (see `Linear`) if given."""
+        q_BSNH, k_BSKH, v_BSKH = self.products(x_BSD, row_scale_BS1)
+        return (*self.rotated(q_BSNH, k_BSKH, positions_BS, local), v_BSKH)
+
+    def products(self, x_BSD: jax.Array, row_scale_BS1: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values, normed (QK-norm) but not rotated."""
         if hasattr(self, "qkv"):
             scale = None if row_scale_BS1 is None else row_scale_BS1[..., None, None]
             y_BSKJH = self.qkv(x_BSD, row_scale=scale)  # J: a K/V head's G query heads, its key, its value
@@ -153,10 +171,15 @@ class Attention(nnx.Module):
         v_BSKH = ax.constrain(v_BSKH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
         if self.c.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
+        return q_BSNH, k_BSKH, v_BSKH
+
+    def rotated(self, q_BSNH: jax.Array, k_BSKH: jax.Array, positions_BS: jax.Array,
+                local) -> tuple[jax.Array, jax.Array]:
+        """Queries and keys rotated, the queries scaled for the kernels' 1/sqrt(head_dim)."""
         q_BSNH, k_BSKH = self.rotate(q_BSNH, positions_BS, local), self.rotate(k_BSKH, positions_BS, local)
         if self.c.scale is not None:  # every kernel divides by sqrt(head_dim)
             q_BSNH = q_BSNH * jnp.asarray(self.c.scale * math.sqrt(self.c.head_dim), q_BSNH.dtype)
-        return q_BSNH, k_BSKH, v_BSKH
+        return q_BSNH, k_BSKH
 
     def fuse_projections(self) -> None:
         """q, k and v as one product `qkv` over a [D, K, G + 2, H] kernel (each K/V head's G query heads, its key,
@@ -176,11 +199,14 @@ class Attention(nnx.Module):
     def out(self, out_BSNH: jax.Array) -> jax.Array:
         return self.o(ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))
 
+    def rope(self, local: bool) -> RopeConfig:
+        """The RoPE of a sliding-window layer (its own base, where it has one) or of a full one."""
+        return (self.c.local_rope or self.c.rope) if local is True else self.c.rope
+
     def rotate(self, x_BSNH: jax.Array, positions_BS: jax.Array, local: bool | jax.Array) -> jax.Array:
-        """RoPE of a local layer (its own base, where it has one) or of a full one; both, then a select, for a
-        traced `local`."""
+        """RoPE of a local or full layer (`rope`); both, then a select, for a traced `local`."""
         local_rope = self.c.local_rope or self.c.rope
         if isinstance(local, bool) or local_rope == self.c.rope:
-            return apply_rope(x_BSNH, positions_BS, local_rope if local is True else self.c.rope)
+            return apply_rope(x_BSNH, positions_BS, self.rope(local))
         return jnp.where(local, apply_rope(x_BSNH, positions_BS, local_rope), apply_rope(x_BSNH, positions_BS,
                                                                                         self.c.rope))

@@ -1,5 +1,6 @@
-"""A decode step's attention over the cache for a few rows, as a Pallas kernel (flash-decoding: the written slots
-split among many programs, their partial softmaxes combined after).
+"""A decode step's attention for a few rows, as one Pallas kernel (flash-decoding: the written slots split among
+many programs, their partial softmaxes combined after) that also rotates the new query and key and writes the new
+key and value into the cache.
 
 At one query per row, cuDNN's flash kernel runs a 16-row query tile and a split reduction of its own: 8.8 us a
 layer to read llama-1b's 5.2 MB cache at one row (RESULTS.md). Here each program takes one row, one K/V head and one
@@ -7,11 +8,13 @@ span of slots, walks the span in pipelined blocks with an online softmax in fp32
 K/V head's G queries are too few rows for the tensor cores), and writes its running max, sum and weighted values;
 XLA combines the spans in the fusion that feeds the output projection. Small blocks and few warps keep many
 programs, and so many loads, in flight (llama-1b's decode step at one row: 0.909 ms against 0.954 with cuDNN).
+RoPE of the new query and key and the two cache writes, each a kernel of their own in XLA, happen inside: the
+program whose span holds the new slot reads the new key and value from registers and stores them into the cache
+(aliased in place).
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,19 +29,23 @@ PROGRAMS = 512  # spans enough for this many programs (about four per SM of an H
 NEG = -1e30  # the running max before any slot: finite, so a span with no written slot adds exp(NEG - max) = 0
 
 
-def supports(q_BTNH: jax.Array, k_BCKH: jax.Array) -> bool:
-    """Shapes the kernel takes: one query per row, at most MAX_ROWS rows, power-of-two group and head dims, a block
-    size that divides the cache."""
+def supports(q_BTNH: jax.Array, k_BCKH: jax.Array, rotary_dim: int) -> bool:
+    """Shapes the kernel takes: one query per row, at most MAX_ROWS rows, power-of-two group and head dims, the
+    whole head rotated, a block size that divides the cache."""
     B, T, N, H = q_BTNH.shape
     C, K = k_BCKH.shape[1:3]
     G = N // K
-    return T == 1 and B <= MAX_ROWS and _pow2(G) and _pow2(H) and C % _block(G, H) == 0
+    return (T == 1 and B <= MAX_ROWS and _pow2(G) and H >= 2 and _pow2(H) and rotary_dim == H
+            and C % _block(G, H) == 0)
 
 
-def attend(q_BTNH: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array, written_B: jax.Array, *,
-           interpret: bool = False) -> jax.Array:
-    """Attention of one query per row over the first `written_B[b]` slots of row b (all of which it sees), scaled
-    by 1/sqrt(H); K/V heads may be fewer than query heads (GQA). Needs `supports`."""
+def step(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, cos_BTR: jax.Array, sin_BTR: jax.Array,
+         k_BCKH: jax.Array, v_BCKH: jax.Array, positions_BT: jax.Array, *, scale: float,
+         interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One new position a row: the query and key rotated by their RoPE tables (`rope.tables`, R = H / 2), the key
+    and value written into slot `position mod C` of the cache, the query attending over the written slots (all of
+    which it sees: a full cache, or a ring no longer than the window), scores times `scale`; K/V heads may be fewer
+    than query heads (GQA). Returns (out_BTNH, k_BCKH, v_BCKH), the caches updated in place. Needs `supports`."""
     B, _, N, H = q_BTNH.shape
     C, K = k_BCKH.shape[1:3]
     G = N // K
@@ -48,39 +55,63 @@ def attend(q_BTNH: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array, written_B: j
     while blocks % per_span:
         per_span += 1
     spans = blocks // per_span
-    q_BKGH = q_BTNH.reshape(B, K, G, H)
+    slot_B = jnp.mod(positions_BT[:, 0], C).astype(jnp.int32)
+    written_B = jnp.minimum(positions_BT[:, 0] + 1, C).astype(jnp.int32)
+    new = (q_BTNH.reshape(B, K, G, H), k_BTKH[:, 0].astype(k_BCKH.dtype), v_BTKH[:, 0].astype(v_BCKH.dtype),
+           cos_BTR[:, 0], sin_BTR[:, 0])
     out_shape = [jax.ShapeDtypeStruct((B, K, spans, *shape), jnp.float32) for shape in ((G,), (G,), (G, H))]
     spec = lambda *shape: pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, *shape),  # noqa: E731
                                        lambda b, k, s: (b, k, s, *(0,) * len(shape)))
-    max_BKSG, sum_BKSG, acc_BKSGH = pl.pallas_call(
-        functools.partial(_span, block=block, per_span=per_span, scale=1 / math.sqrt(H)),
-        out_shape=out_shape,
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    max_BKSG, sum_BKSG, acc_BKSGH, k_BCKH, v_BCKH = pl.pallas_call(
+        functools.partial(_span, block=block, per_span=per_span, scale=scale),
+        out_shape=[*out_shape, jax.ShapeDtypeStruct(k_BCKH.shape, k_BCKH.dtype),
+                   jax.ShapeDtypeStruct(v_BCKH.shape, v_BCKH.dtype)],
         grid=(B, K, spans),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 4,
-        out_specs=[spec(G), spec(G), spec(G, H)],
+        in_specs=[anywhere] * 9,
+        out_specs=[spec(G), spec(G), spec(G, H), anywhere, anywhere],
+        input_output_aliases={7: 3, 8: 4},
         compiler_params=pltriton.CompilerParams(num_warps=WARPS, num_stages=3),
         interpret=interpret,
-    )(written_B.astype(jnp.int32), q_BKGH, k_BCKH, v_BCKH)
+    )(written_B, slot_B, *new, k_BCKH, v_BCKH)
     weight_BKSG = jnp.exp(max_BKSG - max_BKSG.max(2, keepdims=True))
     out_BKGH = (weight_BKSG[..., None] * acc_BKSGH).sum(2) / (weight_BKSG * sum_BKSG).sum(2)[..., None]
-    return out_BKGH.reshape(B, 1, N, H).astype(q_BTNH.dtype)
+    return out_BKGH.reshape(B, 1, N, H).astype(q_BTNH.dtype), k_BCKH, v_BCKH
 
 
-def _span(written_ref, q_ref, k_ref, v_ref, max_ref, sum_ref, acc_ref, *, block, per_span, scale):
+def _span(written_ref, slot_ref, q_ref, k_new_ref, v_new_ref, cos_ref, sin_ref, k_ref, v_ref,
+          max_ref, sum_ref, acc_ref, k_out_ref, v_out_ref, *, block, per_span, scale):
     b, k, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     G, H = acc_ref.shape
-    written = written_ref[b]
+    R = H // 2
+    lo, hi = pl.ds(0, R), pl.ds(R, R)
+    written, slot = written_ref[b], slot_ref[b]
+    cos_R, sin_R = cos_ref[b, :], sin_ref[b, :]
+
+    def rotated(x1, x2, dtype):  # as `rope.apply_rope`: in fp32, rounded to the model's dtype
+        f = lambda x: x.astype(dtype).astype(jnp.float32)  # noqa: E731
+        return f(x1 * cos_R - x2 * sin_R), f(x2 * cos_R + x1 * sin_R)
+
+    q1_GR, q2_GR = rotated(q_ref[b, k, :, lo].astype(jnp.float32), q_ref[b, k, :, hi].astype(jnp.float32),
+                           q_ref.dtype)
+    q1_GR, q2_GR = q1_GR * scale, q2_GR * scale
+    k1_R, k2_R = rotated(k_new_ref[b, k, lo].astype(jnp.float32), k_new_ref[b, k, hi].astype(jnp.float32),
+                         k_ref.dtype)
+    v_H = v_new_ref[b, k, :].astype(jnp.float32)
     start = s * per_span * block
     steps = jnp.clip((written - start + block - 1) // block, 0, per_span)  # blocks holding written slots
-    q_GH = q_ref[b, k].astype(jnp.float32) * scale
 
-    def step(i, carry):
+    def step_(i, carry):
         m_G, l_G, acc_GH = carry
         first = pl.multiple_of(start + i * block, block)
         slots = pl.ds(first, block)
-        k_LH, v_LH = k_ref[b, slots, k].astype(jnp.float32), v_ref[b, slots, k].astype(jnp.float32)
-        s_GL = (q_GH[:, None, :] * k_LH[None]).sum(-1)
-        s_GL = jnp.where(first + jax.lax.broadcasted_iota(jnp.int32, s_GL.shape, 1) < written, s_GL, -jnp.inf)
+        index_L1 = first + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+        fresh_L1 = index_L1 == slot  # the new position's slot: its key and value are the new ones
+        k1_LR = jnp.where(fresh_L1, k1_R[None], k_ref[b, slots, k, lo].astype(jnp.float32))
+        k2_LR = jnp.where(fresh_L1, k2_R[None], k_ref[b, slots, k, hi].astype(jnp.float32))
+        v_LH = jnp.where(fresh_L1, v_H[None], v_ref[b, slots, k, :].astype(jnp.float32))
+        s_GL = (q1_GR[:, None, :] * k1_LR[None]).sum(-1) + (q2_GR[:, None, :] * k2_LR[None]).sum(-1)
+        s_GL = jnp.where(index_L1[:, 0][None] < written, s_GL, -jnp.inf)
         m_new_G = jnp.maximum(m_G, s_GL.max(-1))
         p_GL = jnp.exp(s_GL - m_new_G[:, None])
         alpha_G = jnp.exp(m_G - m_new_G)
@@ -88,8 +119,14 @@ def _span(written_ref, q_ref, k_ref, v_ref, max_ref, sum_ref, acc_ref, *, block,
         return m_new_G, l_G * alpha_G + p_GL.sum(-1), acc_GH
 
     init = (jnp.full((G,), NEG, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, H), jnp.float32))
-    m_G, l_G, acc_GH = jax.lax.fori_loop(0, steps, step, init)
+    m_G, l_G, acc_GH = jax.lax.fori_loop(0, steps, step_, init)
     max_ref[...], sum_ref[...], acc_ref[...] = m_G, l_G, acc_GH
+
+    @pl.when((slot >= start) & (slot < start + per_span * block))
+    def _write():
+        k_out_ref[b, slot, k, lo] = k1_R.astype(k_out_ref.dtype)
+        k_out_ref[b, slot, k, hi] = k2_R.astype(k_out_ref.dtype)
+        v_out_ref[b, slot, k, :] = v_new_ref[b, k, :]
 
 
 def _block(G: int, H: int) -> int:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers import flash_decode
 
 
 def slots(length: int, window: int | None) -> int:
@@ -53,16 +51,12 @@ def attend_cached(q_BTNH: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array, posit
     """Causal attention of T new queries (already written to the cache) over the cache, bound by reading the
     cache; K/V heads may be fewer than query heads (GQA). One query per row (a decode step) with `impl` cudnn
     runs cuDNN's flash kernel over the written slots (all of which the query sees: the slots of a sliding-window
-    layer are its window), or the few-row kernel installed as `axes.CACHED_ATTENTION` where it takes the shapes
-    (`layers.flash_decode`); otherwise a matrix-vector product per head with the softmax in fp32."""
+    layer are its window); otherwise a matrix-vector product per head with the softmax in fp32. (A few rows on
+    one GPU take `layers.flash_decode` instead, from `Attention.decode`.)"""
     B, T, N, H = q_BTNH.shape
     C, K = k_BCKH.shape[1:3]
-    written_B = jnp.minimum(positions_BT[:, 0] + 1, C)
-    every_written_slot = T == 1 and (window is None or C <= window)
-    few_rows = ax.kernel(ax.CACHED_ATTENTION)
-    if every_written_slot and few_rows is not None and flash_decode.supports(q_BTNH, k_BCKH):
-        return few_rows(q_BTNH, k_BCKH, v_BCKH, written_B)
-    if every_written_slot and impl == "cudnn":
+    if T == 1 and (window is None or C <= window) and impl == "cudnn":
+        written_B = jnp.minimum(positions_BT[:, 0] + 1, C)
         return jax.nn.dot_product_attention(q_BTNH, k_BCKH, v_BCKH, key_value_seq_lengths=written_B,
                                             implementation="cudnn")
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)

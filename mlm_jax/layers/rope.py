@@ -77,14 +77,21 @@ def frequencies(c: RopeConfig) -> tuple[np.ndarray, float]:
     return inv_freq, 1.0
 
 
+def tables(positions_BS: jax.Array, c: RopeConfig) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position's angles, [B, S, rotary_dim // 2] in fp32, scaled by the attention factor."""
+    inv_freq_K, scale = frequencies(c)
+    angles_BSK = positions_BS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K)
+    cos_BSK, sin_BSK = jnp.cos(angles_BSK), jnp.sin(angles_BSK)
+    if scale != 1.0:
+        cos_BSK, sin_BSK = cos_BSK * scale, sin_BSK * scale
+    return cos_BSK, sin_BSK
+
+
 def apply_rope(x_BSNH: jax.Array, positions_BS: jax.Array, c: RopeConfig) -> jax.Array:
     """Rotate pairs (i, i + R/2) of each head's first R = `rotary_dim` dims by position-dependent angles; fp32."""
-    inv_freq_K, scale = frequencies(c)
     half = c.rotary_dim // 2
-    angles_BSK = positions_BS.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_K)
-    cos_BS1K, sin_BS1K = jnp.cos(angles_BSK)[:, :, None], jnp.sin(angles_BSK)[:, :, None]
-    if scale != 1.0:
-        cos_BS1K, sin_BS1K = cos_BS1K * scale, sin_BS1K * scale
+    cos_BSK, sin_BSK = tables(positions_BS, c)
+    cos_BS1K, sin_BS1K = cos_BSK[:, :, None], sin_BSK[:, :, None]
     x = x_BSNH.astype(jnp.float32)
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     out = jnp.concatenate([x1 * cos_BS1K - x2 * sin_BS1K, x2 * cos_BS1K + x1 * sin_BS1K, rest], axis=-1)
