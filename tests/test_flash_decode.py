@@ -1,8 +1,8 @@
-"""The few-row decode step kernel (`layers.flash_decode.step`), interpreted on CPU: equal to XLA's reference (RoPE
-of the new query and key by `rope.apply_rope`, `kv_cache.write`, `kv_cache.attend_cached`; fp32, 1e-5 of the
-output's scale) for full and grouped heads, spans of one or several blocks, spans with no written slot, a partly
-written last block, a full ring and the new slot in its middle; the caches it returns equal the written ones, every
-other slot untouched. Shapes it does not take go elsewhere."""
+"""The few-row decode step kernel (`layers.flash_decode.step`), interpreted on CPU: equal to XLA's reference (the
+new query, key and value times a row scale, RoPE of the query and key by `rope.apply_rope`, `kv_cache.write`,
+`kv_cache.attend_cached`; fp32, 1e-5 of the output's scale) for full and grouped heads, spans of one or several
+blocks, spans with no written slot, a partly written last block, a full ring and the new slot in its middle; the
+caches it returns equal the written ones, every other slot untouched. Shapes it does not take go elsewhere."""
 import math
 
 import jax
@@ -22,20 +22,22 @@ from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
 ])
 def test_equals_the_reference(B, N, K, H, C, positions, programs, monkeypatch):
     monkeypatch.setattr(flash_decode, "PROGRAMS", programs)
-    keys = jax.random.split(jax.random.key(B), 5)
+    keys = jax.random.split(jax.random.key(B), 6)
     q_BTNH = jax.random.normal(keys[0], (B, 1, N, H))
     k_BTKH, v_BTKH = (jax.random.normal(key, (B, 1, K, H)) for key in keys[1:3])
-    k_BCKH, v_BCKH = (jax.random.normal(key, (B, C, K, H)) for key in keys[3:])
+    k_BCKH, v_BCKH = (jax.random.normal(key, (B, C, K, H)) for key in keys[3:5])
+    row_scale_BT = jax.random.uniform(keys[5], (B, 1), minval=0.5, maxval=2.0)  # a folded norm's 1 / rms
     positions_BT = jnp.asarray(positions, jnp.int32)[:, None]
     rope = RopeConfig(theta=100.0, rotary_dim=H)
     scale = 0.3
-    assert flash_decode.supports(q_BTNH, k_BCKH, H)
-    want_k = kv_cache.write(k_BCKH, apply_rope(k_BTKH, positions_BT, rope), positions_BT)
-    want_v = kv_cache.write(v_BCKH, v_BTKH, positions_BT)
-    q_scaled = apply_rope(q_BTNH, positions_BT, rope) * (scale * math.sqrt(H))  # the reference divides by sqrt(H)
+    assert flash_decode.supports(q_BTNH.shape, k_BCKH.shape, H)
+    q_BTNH_, k_BTKH_, v_BTKH_ = (x * row_scale_BT[..., None, None] for x in (q_BTNH, k_BTKH, v_BTKH))
+    want_k = kv_cache.write(k_BCKH, apply_rope(k_BTKH_, positions_BT, rope), positions_BT)
+    want_v = kv_cache.write(v_BCKH, v_BTKH_, positions_BT)
+    q_scaled = apply_rope(q_BTNH_, positions_BT, rope) * (scale * math.sqrt(H))  # the reference divides by sqrt(H)
     want = kv_cache.attend_cached(q_scaled, want_k, want_v, positions_BT, None, "xla")
     got, got_k, got_v = jax.jit(lambda *a: flash_decode.step(*a, scale=scale, interpret=True))(
-        q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), k_BCKH, v_BCKH, positions_BT)
+        q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), k_BCKH, v_BCKH, positions_BT, row_scale_BT)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     np.testing.assert_allclose(got_k, want_k, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(got_v, want_v)
@@ -50,4 +52,4 @@ def test_equals_the_reference(B, N, K, H, C, positions, programs, monkeypatch):
     ((1, 1, 4, 16), (1, 128, 4, 16), 8),  # partial rotary
 ])
 def test_other_shapes_are_not_taken(q_shape, k_shape, rotary_dim):
-    assert not flash_decode.supports(jnp.zeros(q_shape), jnp.zeros(k_shape), rotary_dim)
+    assert not flash_decode.supports(q_shape, k_shape, rotary_dim)

@@ -109,20 +109,24 @@ def test_greedy_generation_matches_transformers(family, tensor, folders):
         assert mine[:decided] == theirs[:decided], (family, len(prompt))
 
 
+DECODE_FAMILIES = {**FAMILIES, "llama": ["model.num_kv_heads=2", "model.num_layers=2"]}
+
+
 def _model(family: str) -> Transformer:
-    overrides = FAMILIES[family] + ["model.dtype=float32", "model.init_std=0.2"]  # logits far from uniform
+    overrides = DECODE_FAMILIES[family] + ["model.dtype=float32", "model.init_std=0.2"]  # logits far from uniform
     return Transformer(load_config(None, overrides).model, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("family, few_rows", [("gemma3", False), ("deepseek-v3", False),
                                                ("llama3-qwen3-window", False), ("qwen3-moe", False),
-                                               ("gemma3", True), ("deepseek-v3", True)])
+                                               ("gemma3", True), ("deepseek-v3", True), ("llama", True)])
 def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatch):
     """Prompts of 3, 9 and 17 tokens, then 24 known tokens fed one step at a time: every step's logits equal those
     of the model run on the whole sequence, within 1e-5 of their scale (windows of 8 and 16: the ring caches
     wrap). `few_rows`: the few-row Pallas kernels (interpreted) that generation installs on a GPU: the output
     projections of decode steps (latent attention's too), and the attention over the cache where it takes the
-    shapes (Gemma 3's global layer: its local layers' 8-slot rings are shorter than a block)."""
+    shapes (Gemma 3's global layer: its local layers' 8-slot rings are shorter than a block; every layer of a plain
+    Llama, whose folded norm's row scale goes into that kernel)."""
     calls, matmul = [], gemv.matmul
     monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
     attends = []
@@ -130,9 +134,9 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
                ax.CACHED_ATTENTION: lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True)}
     with ax.kernels(**(kernels if few_rows else {})):
         _decode_steps_equal_the_whole_sequence(family)
-    layers = load_config(None, FAMILIES[family]).model.num_layers
+    layers = load_config(None, DECODE_FAMILIES[family]).model.num_layers
     assert len(calls) == (layers if few_rows else 0)  # each layer in the one trace of a decode step
-    assert len(attends) == (1 if few_rows and family == "gemma3" else 0)
+    assert len(attends) == {"gemma3": 1, "llama": layers}.get(family, 0) * few_rows
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama3-qwen3-window"])  # norm scales around 0 (offset 1) and 1

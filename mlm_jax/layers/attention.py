@@ -123,17 +123,22 @@ class Attention(nnx.Module):
         """New positions `positions_BT`: written to the cache, then attending over it (`row_scale` as in
         `prefill`). A few rows' single position goes to the kernel installed as `axes.CACHED_ATTENTION`
         (`layers.flash_decode.step`: rotation, cache writes and attention in one) where it takes the shapes."""
-        q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, row_scale)
         window = self.c.window if local else None
         rope = self.rope(local)
         few_rows = ax.kernel(ax.CACHED_ATTENTION)
         C = cache["k"].shape[1]
+        q_shape = (*x_BTD.shape[:2], self.c.num_heads, self.c.head_dim)
         if (few_rows is not None and (window is None or C <= window)
-                and flash_decode.supports(q_BTNH, cache["k"], rope.rotary_dim)):
+                and flash_decode.supports(q_shape, cache["k"].shape, rope.rotary_dim)):
+            # the row scale, where it is the products' last step, goes with them into the kernel
+            inside = row_scale is not None and not (self.c.qk_norm or self.c.qkv_bias)
+            q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, None if inside else row_scale)
             scale = self.c.scale if self.c.scale is not None else 1 / math.sqrt(self.c.head_dim)
             out_BTNH, k_BCKH, v_BCKH = few_rows(q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), cache["k"],
-                                                cache["v"], positions_BT, scale=scale)
+                                                cache["v"], positions_BT, row_scale[..., 0] if inside else None,
+                                                scale=scale)
             return self.out(out_BTNH), self._laid_out({"k": k_BCKH, "v": v_BCKH})
+        q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, row_scale)
         q_BTNH, k_BTKH = self.rotated(q_BTNH, k_BTKH, positions_BT, local)
         cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
         # a layout that replaces the attention kernel (`axes.ATTENTION`) attends through XLA's products, which

@@ -29,23 +29,25 @@ PROGRAMS = 512  # spans enough for this many programs (about four per SM of an H
 NEG = -1e30  # the running max before any slot: finite, so a span with no written slot adds exp(NEG - max) = 0
 
 
-def supports(q_BTNH: jax.Array, k_BCKH: jax.Array, rotary_dim: int) -> bool:
-    """Shapes the kernel takes: one query per row, at most MAX_ROWS rows, power-of-two group and head dims, the
-    whole head rotated, a block size that divides the cache."""
-    B, T, N, H = q_BTNH.shape
-    C, K = k_BCKH.shape[1:3]
+def supports(q_shape: tuple[int, ...], cache_shape: tuple[int, ...], rotary_dim: int) -> bool:
+    """Shapes the kernel takes (queries [B, T, N, H], a cache [B, C, K, H]): one query per row, at most MAX_ROWS
+    rows, power-of-two group and head dims, the whole head rotated, a block size that divides the cache."""
+    B, T, N, H = q_shape
+    C, K = cache_shape[1:3]
     G = N // K
     return (T == 1 and B <= MAX_ROWS and _pow2(G) and H >= 2 and _pow2(H) and rotary_dim == H
             and C % _block(G, H) == 0)
 
 
 def step(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, cos_BTR: jax.Array, sin_BTR: jax.Array,
-         k_BCKH: jax.Array, v_BCKH: jax.Array, positions_BT: jax.Array, *, scale: float,
-         interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One new position a row: the query and key rotated by their RoPE tables (`rope.tables`, R = H / 2), the key
-    and value written into slot `position mod C` of the cache, the query attending over the written slots (all of
-    which it sees: a full cache, or a ring no longer than the window), scores times `scale`; K/V heads may be fewer
-    than query heads (GQA). Returns (out_BTNH, k_BCKH, v_BCKH), the caches updated in place. Needs `supports`."""
+         k_BCKH: jax.Array, v_BCKH: jax.Array, positions_BT: jax.Array, row_scale_BT: jax.Array | None = None, *,
+         scale: float, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One new position a row: the query, key and value times `row_scale_BT` (fp32, each rounded to its dtype
+    after, as `Linear` does: a folded norm's 1 / rms), the query and key rotated by their RoPE tables
+    (`rope.tables`, R = H / 2), the key and value written into slot `position mod C` of the cache, the query
+    attending over the written slots (all of which it sees: a full cache, or a ring no longer than the window),
+    scores times `scale`; K/V heads may be fewer than query heads (GQA). Returns (out_BTNH, k_BCKH, v_BCKH), the
+    caches updated in place. Needs `supports`."""
     B, _, N, H = q_BTNH.shape
     C, K = k_BCKH.shape[1:3]
     G = N // K
@@ -57,8 +59,8 @@ def step(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, cos_BTR: jax.A
     spans = blocks // per_span
     slot_B = jnp.mod(positions_BT[:, 0], C).astype(jnp.int32)
     written_B = jnp.minimum(positions_BT[:, 0] + 1, C).astype(jnp.int32)
-    new = (q_BTNH.reshape(B, K, G, H), k_BTKH[:, 0].astype(k_BCKH.dtype), v_BTKH[:, 0].astype(v_BCKH.dtype),
-           cos_BTR[:, 0], sin_BTR[:, 0])
+    row_scale_B = jnp.ones((B,), jnp.float32) if row_scale_BT is None else row_scale_BT[:, 0].astype(jnp.float32)
+    new = (row_scale_B, q_BTNH.reshape(B, K, G, H), k_BTKH[:, 0], v_BTKH[:, 0], cos_BTR[:, 0], sin_BTR[:, 0])
     out_shape = [jax.ShapeDtypeStruct((B, K, spans, *shape), jnp.float32) for shape in ((G,), (G,), (G, H))]
     spec = lambda *shape: pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, *shape),  # noqa: E731
                                        lambda b, k, s: (b, k, s, *(0,) * len(shape)))
@@ -68,9 +70,9 @@ def step(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, cos_BTR: jax.A
         out_shape=[*out_shape, jax.ShapeDtypeStruct(k_BCKH.shape, k_BCKH.dtype),
                    jax.ShapeDtypeStruct(v_BCKH.shape, v_BCKH.dtype)],
         grid=(B, K, spans),
-        in_specs=[anywhere] * 9,
+        in_specs=[anywhere] * 10,
         out_specs=[spec(G), spec(G), spec(G, H), anywhere, anywhere],
-        input_output_aliases={7: 3, 8: 4},
+        input_output_aliases={8: 3, 9: 4},
         compiler_params=pltriton.CompilerParams(num_warps=WARPS, num_stages=3),
         interpret=interpret,
     )(written_B, slot_B, *new, k_BCKH, v_BCKH)
@@ -79,25 +81,24 @@ def step(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, cos_BTR: jax.A
     return out_BKGH.reshape(B, 1, N, H).astype(q_BTNH.dtype), k_BCKH, v_BCKH
 
 
-def _span(written_ref, slot_ref, q_ref, k_new_ref, v_new_ref, cos_ref, sin_ref, k_ref, v_ref,
+def _span(written_ref, slot_ref, row_scale_ref, q_ref, k_new_ref, v_new_ref, cos_ref, sin_ref, k_ref, v_ref,
           max_ref, sum_ref, acc_ref, k_out_ref, v_out_ref, *, block, per_span, scale):
     b, k, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     G, H = acc_ref.shape
     R = H // 2
     lo, hi = pl.ds(0, R), pl.ds(R, R)
     written, slot = written_ref[b], slot_ref[b]
-    cos_R, sin_R = cos_ref[b, :], sin_ref[b, :]
+    cos_R, sin_R, row_scale = cos_ref[b, :], sin_ref[b, :], row_scale_ref[b]
+    rounded = lambda x, dtype: x.astype(dtype).astype(jnp.float32)  # noqa: E731
+    scaled = lambda x: rounded(x.astype(jnp.float32) * row_scale, x.dtype)  # noqa: E731  (as `Linear`)
 
     def rotated(x1, x2, dtype):  # as `rope.apply_rope`: in fp32, rounded to the model's dtype
-        f = lambda x: x.astype(dtype).astype(jnp.float32)  # noqa: E731
-        return f(x1 * cos_R - x2 * sin_R), f(x2 * cos_R + x1 * sin_R)
+        return rounded(x1 * cos_R - x2 * sin_R, dtype), rounded(x2 * cos_R + x1 * sin_R, dtype)
 
-    q1_GR, q2_GR = rotated(q_ref[b, k, :, lo].astype(jnp.float32), q_ref[b, k, :, hi].astype(jnp.float32),
-                           q_ref.dtype)
+    q1_GR, q2_GR = rotated(scaled(q_ref[b, k, :, lo]), scaled(q_ref[b, k, :, hi]), q_ref.dtype)
     q1_GR, q2_GR = q1_GR * scale, q2_GR * scale
-    k1_R, k2_R = rotated(k_new_ref[b, k, lo].astype(jnp.float32), k_new_ref[b, k, hi].astype(jnp.float32),
-                         k_ref.dtype)
-    v_H = v_new_ref[b, k, :].astype(jnp.float32)
+    k1_R, k2_R = rotated(scaled(k_new_ref[b, k, lo]), scaled(k_new_ref[b, k, hi]), k_ref.dtype)
+    v_H = rounded(scaled(v_new_ref[b, k, :]), v_ref.dtype)
     start = s * per_span * block
     steps = jnp.clip((written - start + block - 1) // block, 0, per_span)  # blocks holding written slots
 
@@ -126,7 +127,7 @@ def _span(written_ref, slot_ref, q_ref, k_new_ref, v_new_ref, cos_ref, sin_ref, 
     def _write():
         k_out_ref[b, slot, k, lo] = k1_R.astype(k_out_ref.dtype)
         k_out_ref[b, slot, k, hi] = k2_R.astype(k_out_ref.dtype)
-        v_out_ref[b, slot, k, :] = v_new_ref[b, k, :]
+        v_out_ref[b, slot, k, :] = v_H.astype(v_out_ref.dtype)
 
 
 def _block(G: int, H: int) -> int:
