@@ -34,7 +34,9 @@ def write(cache_BCKH: jax.Array, x_BTKH: jax.Array, positions_BT: jax.Array) -> 
     B, T = positions_BT.shape
     rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     slots_BT = jnp.mod(positions_BT, cache_BCKH.shape[1])  # in bounds: no select against the cache's values
-    return cache_BCKH.at[rows_BT, slots_BT].set(x_BTKH.astype(cache_BCKH.dtype), mode="promise_in_bounds")
+    # T consecutive positions of a row land in distinct slots when T <= C
+    return cache_BCKH.at[rows_BT, slots_BT].set(x_BTKH.astype(cache_BCKH.dtype), mode="promise_in_bounds",
+                                                unique_indices=T <= cache_BCKH.shape[1], wrap_negative_indices=False)
 
 
 def visible(positions_BT: jax.Array, C: int, window: int | None) -> jax.Array:
