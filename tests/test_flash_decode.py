@@ -22,6 +22,7 @@ from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
 ])
 def test_equals_the_reference(B, N, K, H, C, positions, programs, monkeypatch):
     monkeypatch.setattr(flash_decode, "PROGRAMS", programs)
+    monkeypatch.setattr(flash_decode, "MAX_ROWS", 4)  # the kernel computes any rows; generation gives it one
     keys = jax.random.split(jax.random.key(B), 6)
     q_BTNH = jax.random.normal(keys[0], (B, 1, N, H))
     k_BTKH, v_BTKH = (jax.random.normal(key, (B, 1, K, H)) for key in keys[1:3])
@@ -44,7 +45,7 @@ def test_equals_the_reference(B, N, K, H, C, positions, programs, monkeypatch):
 
 
 @pytest.mark.parametrize("q_shape, k_shape, rotary_dim", [
-    ((5, 1, 4, 16), (5, 128, 4, 16), 16),  # more rows than MAX_ROWS
+    ((2, 1, 4, 16), (2, 128, 4, 16), 16),  # more rows than MAX_ROWS
     ((1, 2, 4, 16), (1, 128, 4, 16), 16),  # two queries a row (a prefill)
     ((1, 1, 6, 16), (1, 128, 2, 16), 16),  # three queries a K/V head
     ((1, 1, 4, 24), (1, 128, 4, 24), 24),  # head dim not a power of two

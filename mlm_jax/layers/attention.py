@@ -121,22 +121,22 @@ class Attention(nnx.Module):
     def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
                row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """New positions `positions_BT`: written to the cache, then attending over it (`row_scale` as in
-        `prefill`). A few rows' single position goes to the kernel installed as `axes.CACHED_ATTENTION`
+        `prefill`). A single row's new position goes to the kernel installed as `axes.CACHED_ATTENTION`
         (`layers.flash_decode.step`: rotation, cache writes and attention in one) where it takes the shapes."""
         window = self.c.window if local else None
         rope = self.rope(local)
-        few_rows = ax.kernel(ax.CACHED_ATTENTION)
+        one_row = ax.kernel(ax.CACHED_ATTENTION)
         C = cache["k"].shape[1]
         q_shape = (*x_BTD.shape[:2], self.c.num_heads, self.c.head_dim)
-        if (few_rows is not None and (window is None or C <= window)
+        if (one_row is not None and (window is None or C <= window)
                 and flash_decode.supports(q_shape, cache["k"].shape, rope.rotary_dim)):
             # the row scale, where it is the products' last step, goes with them into the kernel
             inside = row_scale is not None and not (self.c.qk_norm or self.c.qkv_bias)
             q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, None if inside else row_scale)
             scale = self.c.scale if self.c.scale is not None else 1 / math.sqrt(self.c.head_dim)
-            out_BTNH, k_BCKH, v_BCKH = few_rows(q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), cache["k"],
-                                                cache["v"], positions_BT, row_scale[..., 0] if inside else None,
-                                                scale=scale)
+            out_BTNH, k_BCKH, v_BCKH = one_row(q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), cache["k"],
+                                               cache["v"], positions_BT, row_scale[..., 0] if inside else None,
+                                               scale=scale)
             return self.out(out_BTNH), self._laid_out({"k": k_BCKH, "v": v_BCKH})
         q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, row_scale)
         q_BTNH, k_BTKH = self.rotated(q_BTNH, k_BTKH, positions_BT, local)

@@ -1,16 +1,16 @@
-"""A decode step's attention for a few rows, as one Pallas kernel (flash-decoding: the written slots split among
-many programs, their partial softmaxes combined after) that also rotates the new query and key and writes the new
-key and value into the cache.
+"""A decode step's attention at one row, as one Pallas kernel (flash-decoding: the written slots split among many
+programs, their partial softmaxes combined after) that also scales, rotates and writes the new query, key and value.
 
 At one query per row, cuDNN's flash kernel runs a 16-row query tile and a split reduction of its own: 8.8 us a
 layer to read llama-1b's 5.2 MB cache at one row (RESULTS.md). Here each program takes one row, one K/V head and one
 span of slots, walks the span in pipelined blocks with an online softmax in fp32 (products on the CUDA cores: a
 K/V head's G queries are too few rows for the tensor cores), and writes its running max, sum and weighted values;
 XLA combines the spans in the fusion that feeds the output projection. Small blocks and few warps keep many
-programs, and so many loads, in flight (llama-1b's decode step at one row: 0.909 ms against 0.954 with cuDNN).
-RoPE of the new query and key and the two cache writes, each a kernel of their own in XLA, happen inside: the
-program whose span holds the new slot reads the new key and value from registers and stores them into the cache
-(aliased in place).
+programs, and so many loads, in flight. What XLA would run as kernels of their own happens inside: the folded
+norm's row scale of the new query, key and value, their RoPE, and both cache writes (the program whose span holds
+the new slot stores the new key and value, the caches aliased in place). llama-1b's decode step at one row on an
+H200: 0.854 to 0.860 ms against 0.924 with cuDNN; from two rows on cuDNN is faster (RESULTS.md), so the kernel takes
+one, though it computes any number.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-MAX_ROWS = 4  # more rows: cuDNN reads the cache at bandwidth (3.96 TB/s at 32 rows on an H200)
+MAX_ROWS = 1  # llama-1b's step on an H200, cuDNN against this kernel: 0.97 against 1.00 ms at 2 rows, 1.00 against 1.10 at 4
 PRODUCT = 8192  # elements of a block's [G, block, H] product, in the registers of one program
 MAX_BLOCK = 32  # slots a step reads at most
-WARPS = 2  # with 32-slot blocks: 0.909 ms a step against 0.948 with 4 warps and 64 (llama-1b at one row)
+WARPS = 2  # with 32-slot blocks: llama-1b's step at one row 0.909 ms against 0.948 with 4 warps and 64 slots
 PROGRAMS = 512  # spans enough for this many programs (about four per SM of an H200)
 NEG = -1e30  # the running max before any slot: finite, so a span with no written slot adds exp(NEG - max) = 0
 
