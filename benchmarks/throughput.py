@@ -17,7 +17,6 @@ import itertools
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,9 +39,13 @@ PEER_NORM_EPS = 1e-6
 PEER_ROPE_THETA = 10000.0
 
 
-def forced_overrides(output_dir: str) -> list[str]:
-    """Applied after the user's overrides: no eval, a synced record every step, no progress line, temp output."""
-    return ["train.eval_every=0", "train.log_every=1", "log.progress=never", f"train.output_dir={output_dir}"]
+WINDOW = 10  # steps between the host's syncs while timing: a training run's logging interval, the peer's timed loop
+
+
+def forced_overrides(output_dir: str, window: int) -> list[str]:
+    """Applied after the user's overrides: no eval, a synced record every `window` steps (the steps between are
+    dispatched while the previous ones run, as in training), no progress line, temp output."""
+    return ["train.eval_every=0", f"train.log_every={window}", "log.progress=never", f"train.output_dir={output_dir}"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -54,18 +57,21 @@ def run_ours(args) -> dict:
     from mlm_jax.train.loop import Trainer
 
     with tempfile.TemporaryDirectory(prefix="mlm_jax-bench-") as tmp:
-        cfg = load_config(args.config, [*args.overrides, *forced_overrides(os.path.join(tmp, "run"))])
+        window = max(1, min(WINDOW, args.steps))
+        cfg = load_config(args.config, [*args.overrides, *forced_overrides(os.path.join(tmp, "run"), window)])
         trainer = Trainer(cfg)
         if args.warmup:
             trainer.fit(args.warmup)  # compiles on the first call
+        first = int(trainer.state.step)
         records = [r for r in trainer.fit(args.steps) if "step_time_s" in r]
         if not hasattr(trainer, "compile_time_s"):  # --warmup 0 and --steps 0 never compile
             raise SystemExit("error: no step was run")
 
     t, n_dev = cfg.train, len(trainer.mesh.devices.flat)
-    times = [r["step_time_s"] for r in records]
-    median = statistics.median(times)
-    tokens_per_s = t.global_batch_size * t.seq_len / median
+    times = [r["step_time_s"] for r in records]  # each window's time per step
+    lengths = [r["step"] - before for r, before in zip(records, [first] + [r["step"] for r in records])]
+    mean = sum(s * n for s, n in zip(times, lengths)) / sum(lengths)  # the timed steps' wall time over their count
+    tokens_per_s = t.global_batch_size * t.seq_len / mean
     tflops = tokens_per_s * trainer.flops_per_token / n_dev / 1e12
     device = jax.devices()[0]
     peaks = []
@@ -89,11 +95,12 @@ def run_ours(args) -> dict:
         "global_batch_size": t.global_batch_size,
         "seq_len": t.seq_len,
         "accum_steps": int(trainer.accum_steps),
-        "step_time_s": median,
+        "step_time_s": mean,
         "step_time_min_s": min(times),
         "step_time_max_s": max(times),
-        "step_time_mean_s": statistics.fmean(times),
-        "timed_steps": len(times),
+        "step_time_mean_s": mean,
+        "timed_steps": args.steps,
+        "timing_window": window,
         "tokens_per_s": tokens_per_s,
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / trainer.peak if trainer.peak else None,
@@ -249,7 +256,7 @@ def build_record(args, cfg, overrides, ours, peer, warnings) -> dict:
         "warmup": args.warmup,
         **{k: ours[k] for k in ("platform", "n_devices", "jax_version", "global_batch_size", "seq_len",
                                 "accum_steps", "num_params", "flops_per_token", "step_time_s", "step_time_min_s",
-                                "step_time_max_s", "step_time_mean_s", "timed_steps", "compile_time_s",
+                                "step_time_max_s", "step_time_mean_s", "timed_steps", "timing_window", "compile_time_s",
                                 "peak_memory_gib", "final_loss", "skipped_steps")},
         "peer": peer,
         "peer_warnings": warnings,
