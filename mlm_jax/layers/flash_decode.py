@@ -102,7 +102,7 @@ def _span(written_ref, slot_ref, row_scale_ref, q_ref, k_new_ref, v_new_ref, cos
     start = s * per_span * block
     steps = jnp.clip((written - start + block - 1) // block, 0, per_span)  # blocks holding written slots
 
-    def step_(i, carry):
+    def block_step(i, carry):
         m_G, l_G, acc_GH = carry
         first = pl.multiple_of(start + i * block, block)
         slots = pl.ds(first, block)
@@ -120,7 +120,7 @@ def _span(written_ref, slot_ref, row_scale_ref, q_ref, k_new_ref, v_new_ref, cos
         return m_new_G, l_G * alpha_G + p_GL.sum(-1), acc_GH
 
     init = (jnp.full((G,), NEG, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, H), jnp.float32))
-    m_G, l_G, acc_GH = jax.lax.fori_loop(0, steps, step_, init)
+    m_G, l_G, acc_GH = jax.lax.fori_loop(0, steps, block_step, init)
     max_ref[...], sum_ref[...], acc_ref[...] = m_G, l_G, acc_GH
 
     @pl.when((slot >= start) & (slot < start + per_span * block))
