@@ -128,7 +128,7 @@ class Attention(nnx.Module):
         one_row = ax.kernel(ax.CACHED_ATTENTION)
         C = cache["k"].shape[1]
         q_shape = (*x_BTD.shape[:2], self.c.num_heads, self.c.head_dim)
-        if (one_row is not None and (window is None or C <= window)
+        if (one_row is not None and kv.sees_every_slot(C, window)
                 and flash_decode.supports(q_shape, cache["k"].shape, rope.rotary_dim)):
             # the row scale, where it is the products' last step, goes with them into the kernel
             inside = row_scale is not None and not (self.c.qk_norm or self.c.qkv_bias)

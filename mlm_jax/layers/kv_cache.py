@@ -38,6 +38,12 @@ def write(cache_BCKH: jax.Array, x_BTKH: jax.Array, positions_BT: jax.Array) -> 
                                                 unique_indices=T <= cache_BCKH.shape[1], wrap_negative_indices=False)
 
 
+def sees_every_slot(C: int, window: int | None) -> bool:
+    """Whether a new query sees every written slot of a C-slot cache: a full cache, or a ring no longer than the
+    window."""
+    return window is None or C <= window
+
+
 def visible(positions_BT: jax.Array, C: int, window: int | None) -> jax.Array:
     """[b, t, s]: whether query t of row b sees slot s: the slot's position p' = p - ((p - s) mod C) is not
     negative (written), and, in a sliding-window layer, one of the `window` newest (the query's own included)."""
@@ -56,7 +62,7 @@ def attend_cached(q_BTNH: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array, posit
     GPU takes `layers.flash_decode` instead, from `Attention.decode`.)"""
     B, T, N, H = q_BTNH.shape
     C, K = k_BCKH.shape[1:3]
-    if T == 1 and (window is None or C <= window) and impl == "cudnn":
+    if T == 1 and sees_every_slot(C, window) and impl == "cudnn":
         written_B = jnp.minimum(positions_BT[:, 0] + 1, C)
         return jax.nn.dot_product_attention(q_BTNH, k_BCKH, v_BCKH, key_value_seq_lengths=written_B,
                                             implementation="cudnn")
