@@ -43,10 +43,17 @@ def test_layout_matches_single_device(layout, single_device, tmp_path):
     assert_matches(run(layout, 8, tmp_path), single_device)
 
 
-def test_gradient_accumulation_matches_one_batch(single_device, tmp_path):
-    """Micro batch 2 x 4 accumulation steps on one device equals one batch of 8."""
-    assert_matches(run(["parallel.data=1", "train.micro_batch_size=2"], 1, tmp_path),
-                   single_device)
+@pytest.mark.parametrize("layout, num_devices", [
+    pytest.param(["parallel.data=1"], 1, id="scanned"),
+    pytest.param(["parallel.data=1", "model.scan_layers=false"], 1, id="unrolled"),
+    pytest.param(["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2", "model.scan_layers=false"], 8,
+                 id="unrolled-data2-fsdp2-tensor2"),
+])
+def test_gradient_accumulation_matches_one_batch(layout, num_devices, single_device, tmp_path):
+    """Micro batch 2 x 4 accumulation steps on one device (or 1 x 2 on each of 4 data-parallel ranks) equals one
+    batch of 8; unrolled, with one gradient sum per layer."""
+    micro = "train.micro_batch_size=2" if num_devices == 1 else "train.micro_batch_size=1"
+    assert_matches(run(layout + [micro], num_devices, tmp_path), single_device)
 
 
 def test_accumulation_with_data_parallelism_matches_single_device(single_device, tmp_path):

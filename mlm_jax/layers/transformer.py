@@ -71,6 +71,7 @@ def rope_config(m: ModelConfig) -> RopeConfig:
                       attention_factor=r.attention_factor, truncate=r.truncate)
 
 
+STACKS = ("blocks", "dense_blocks")  # the collections of stacked layer weights
 Kind = tuple[str, bool]  # a layer's stack (`blocks` or `dense_blocks`) and whether it attends through the window
 
 
@@ -159,10 +160,14 @@ class Transformer(nnx.Module):
             positions_BS = default_positions(tokens_BS)
         with jax.named_scope("embed"):
             x_BSD = self.embed(tokens_BS)
-        stats = []
+        stats, per_layer = [], {}
         for kind, start, count in self.runs:
             stack = nnx.state(getattr(self, kind[0]))
-            if len(self.runs) > 1:
+            if not self.scan_layers:
+                if kind[0] not in per_layer:
+                    per_layer[kind[0]] = split_layers(stack)
+                stack = per_layer[kind[0]][start:start + count]
+            elif len(self.runs) > 1:
                 stack = jax.tree.map(lambda w: w[start:start + count], stack)
             x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, stack, kind)
             if run_stats:
@@ -183,10 +188,9 @@ class Transformer(nnx.Module):
             block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
         return block
 
-    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, stacked_state,
-                   kind: Kind) -> tuple[jax.Array, dict]:
-        """Layers of one kind (`stacked_state`: their stacked weights), in order; returns the output and the
-        per-layer MoE statistics.
+    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, layers, kind: Kind) -> tuple[jax.Array, dict]:
+        """Layers of one kind in order (`layers`: their stacked weights, scanned, or a list of each layer's
+        weights, `split_layers`, unrolled); returns the output and the per-layer MoE statistics.
 
         Scanned, one layer body is compiled whatever the depth; unrolled, XLA schedules and fuses across layer
         boundaries (and overlaps FSDP gathers with the previous layer), which runs faster. Parameters stay
@@ -195,10 +199,10 @@ class Transformer(nnx.Module):
         block = self.block_fn(kind)
         layer = lambda x_BSD, layer_state: block(x_BSD, positions_BS, layer_state)  # noqa: E731
         if self.scan_layers:
-            return jax.lax.scan(layer, x_BSD, stacked_state)
+            return jax.lax.scan(layer, x_BSD, layers)
         stats = []
-        for i in range(jax.tree.leaves(stacked_state)[0].shape[0]):
-            x_BSD, layer_stats = layer(x_BSD, jax.tree.map(lambda w: w[i], stacked_state))
+        for layer_state in layers:
+            x_BSD, layer_stats = layer(x_BSD, layer_state)
             stats.append(layer_stats)
         return x_BSD, jax.tree.map(lambda *s: jnp.stack(s), *stats)
 
@@ -323,6 +327,24 @@ class Transformer(nnx.Module):
                 logits_BSV = (self.softcap * jnp.tanh(logits_BSV.astype(jnp.float32) / self.softcap)).astype(
                     logits_BSV.dtype)
             return ax.constrain(logits_BSV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
+
+
+@jax.custom_vjp
+def _unstack(w_L: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(w_L[i] for i in range(w_L.shape[0]))
+
+
+_unstack.defvjp(lambda w_L: (_unstack(w_L), None), lambda _, grads: (jnp.stack(grads),))
+
+
+def split_layers(stacked) -> list:
+    """Each layer's weights out of the stacked ones, through one op per leaf whose gradient stacks the layers'
+    gradients: a slice per layer would have as gradient a zero-padded stack per layer, summed, which XLA does not
+    turn back into the layers' own gradients; this one it does where the stack was itself built from per-layer
+    arrays (`train.step`'s gradient accumulation keeps one sum per layer)."""
+    leaves, treedef = jax.tree.flatten(stacked)
+    parts = [_unstack(w) for w in leaves]
+    return [jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
 def default_positions(tokens_BS: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ from mlm_jax import data as data_lib
 from mlm_jax.data.dataset import build_datasets
 from mlm_jax.config import Config, ConfigError, to_yaml
 from mlm_jax.layers import axes as ax
-from mlm_jax.layers.transformer import layer_kinds
+from mlm_jax.layers.transformer import STACKS, layer_kinds
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import any_process, shared_time
 from mlm_jax.parallel.mesh import build_mesh, dcn_degrees
@@ -170,7 +170,8 @@ class Trainer:
             self.spec.graphdef, accum_steps=self.accum_steps, resolver=self.resolver,
             master_shardings=self.master_shardings,
             compute_shardings=shd.named(self.mesh, self.param_specs) if zero1 else None,
-            compute_dtype=jnp.dtype(cfg.model.dtype), pipeline=pipeline, moe=moe, kernels=kernels, prepare=prepare)
+            compute_dtype=jnp.dtype(cfg.model.dtype), pipeline=pipeline, moe=moe, kernels=kernels, prepare=prepare,
+            per_layer=() if cfg.model.scan_layers else STACKS)
         step = make_train_step(self.tx, grads, lr_schedule=self.lr_schedule, moe=moe)
         shardings = state_shardings(self.state)
         batch_shardings = {"inputs": self.batch_sharding, "targets": self.batch_sharding}

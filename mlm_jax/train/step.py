@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import MoEConfig
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers.linear import master_einsum
 from mlm_jax.train.loss import cross_entropy
 from mlm_jax.train.state import TrainState
 
@@ -47,7 +49,8 @@ def update_router_bias(params, load_LE: jax.Array, rate: float):
 
 def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shardings, compute_shardings=None,
                  compute_dtype=jnp.float32, pipeline: Callable | None = None, moe: MoEConfig | None = None,
-                 kernels: dict | None = None, prepare: Callable | None = None) -> Callable:
+                 kernels: dict | None = None, prepare: Callable | None = None,
+                 per_layer: tuple[str, ...] = ()) -> Callable:
     """`grads(params, batch) -> (metrics, gradients)`: the mean loss and gradient over the batch, each gradient in
     its master weight's dtype and layout.
 
@@ -58,6 +61,12 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
     into the compute layout once per step; gradients come back reduce-scattered into the master layout.
     `pipeline(params, batch) -> (metrics, grads)` replaces autodiff and the accumulation scan: it runs the
     microbatches through the pipeline stages itself.
+
+    `per_layer`: the stacked weight collections that the model takes apart into layers (`split_layers`, unrolled
+    layers). Accumulating, each of their layers then keeps its own fp32 sum and its weight gradients come from
+    fp32 products (`linear.master_einsum`), so that XLA adds a layer's gradient into its sum in the epilogue of the
+    product that makes it, where the memory traffic hides under the matmul, rather than in passes of their own over
+    every gradient, stacked, per microbatch. Not with ZeRO-1, whose gradients are reduce-scattered per microbatch.
     """
     loss_fn = make_loss_fn(graphdef, moe)
     if pipeline is None:
@@ -101,12 +110,46 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
         return (jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A),
                 jax.tree.map(lambda g: g / accum_steps, grad_sum))
 
+    def accumulate_per_layer(params, batch, stacks):
+        """`accumulate` with one sum per layer of `stacks` (see `per_layer`)."""
+        micro = jax.tree.map(lambda x_BS: ax.constrain(
+            x_BS.reshape(x_BS.shape[0] // accum_steps, accum_steps, x_BS.shape[1]), (ax.ACT_BATCH, None, None)),
+            batch)
+        counts = {k: jax.tree.leaves(params[k])[0].shape[0] for k in stacks}
+
+        def spread(tree, take):
+            return {**dict(tree), **{k: [jax.tree.map(lambda w, i=i: take(w, i), tree[k]) for i in range(n)]
+                                     for k, n in counts.items()}}
+
+        def gather(tree):
+            return {**tree, **{k: jax.tree.map(lambda *ws: jnp.stack(ws), *tree[k]) for k in stacks}}
+
+        layer_shardings = spread(master_shardings, lambda s, _: jax.NamedSharding(s.mesh, P(*s.spec[1:])))
+        value_and_grad = jax.value_and_grad(lambda p, mb: loss_fn(gather(p), mb), has_aux=True)
+
+        def body(grad_sum, a):
+            mb = jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
+            # taken apart here, each layer's weights are read where they are used (taken apart before the loop,
+            # they would be copied out of the stacks)
+            (_, metrics), grads = value_and_grad(spread(params, lambda w, i: w[i]), mb)
+            grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+            return jax.lax.with_sharding_constraint(grad_sum, layer_shardings), metrics
+
+        zeros = spread(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), lambda w, i: w[i])
+        with ax.kernels(**{ax.MASTER_EINSUM: master_einsum}):
+            grad_sum, metrics_A = jax.lax.scan(body, zeros, jnp.arange(accum_steps))
+        return (jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A),
+                to_master(jax.tree.map(lambda g: g / accum_steps, gather(grad_sum))))
+
     def grads_fn(params, batch):
         with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
             if prepare is not None:
                 batch = prepare(batch)
+            stacks = tuple(k for k in per_layer if k in params)
             if accum_steps == 1 or pipeline is not None:
                 metrics, grads = grads_of(params, batch)
+            elif stacks and compute_shardings is None:
+                metrics, grads = accumulate_per_layer(params, batch, stacks)
             else:
                 metrics, grads = accumulate(params, batch)
         # Accumulators and the ZeRO-1 path are fp32: back to each master weight's dtype, so that the optimizer
