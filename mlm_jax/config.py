@@ -167,8 +167,9 @@ class ModelConfig:
     remat: str = choice("none", "dots", "full")
     attention_impl: str = choice("auto", "cudnn", "xla", "te")  # auto: cudnn on GPUs for 16-bit inputs, else xla
     scan_layers: bool = True  # a lax.scan over the layers compiles once per model; unrolled runs faster
-    # matmuls in `dtype` (bf16), XLA fp8 with current scaling, or Transformer Engine fp8
-    precision: str = choice("bf16", "fp8", "fp8_te")
+    # matmuls in `dtype` (bf16), XLA fp8 with current or delayed scaling, or Transformer Engine fp8
+    precision: str = choice("bf16", "fp8", "fp8_delayed", "fp8_te")
+    fp8_amax_history: int = positive(16)  # fp8_delayed: steps of max magnitudes each operand's scale takes the max of
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
 

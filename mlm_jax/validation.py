@@ -251,6 +251,9 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
         _check_moe_layout(cfg, d)
     if V > 1 and P == 1:
         raise ConfigError(f"parallel.virtual_stages={V} needs pipeline stages (parallel.stage > 1)")
+    if P > 1 and m.precision == "fp8_delayed":
+        raise ConfigError(f"model.precision=fp8_delayed with parallel.stage={P}: the pipeline does not carry the "
+                          f"delayed-scaling histories; use model.precision=fp8 (current scaling) or bf16")
     from mlm_jax.parallel.stages import chunk_sizes
     chunk_sizes(cfg.parallel.pipeline_layers, m, t.seq_len, P, V)
     if m.num_heads % d["tensor"]:

@@ -56,7 +56,7 @@ CASES = [
     case("dtype", ["model.dtype=int8"], "model.dtype='int8'", "float32, bfloat16, float16"),
     case("param-dtype", ["model.param_dtype=float16"], "model.param_dtype='float16'", "float32, bfloat16"),
     case("remat", ["model.remat=some"], "model.remat='some'", "none, dots, full"),
-    case("precision", ["model.precision=int4"], "model.precision='int4'", "bf16, fp8, fp8_te"),
+    case("precision", ["model.precision=int4"], "model.precision='int4'", "bf16, fp8, fp8_delayed, fp8_te"),
     case("cudnn-without-gpu", ["model.attention_impl=cudnn"], "model.attention_impl=cudnn", "needs an NVIDIA GPU",
          "auto or xla"),
     case("te-attention-missing", ["model.attention_impl=te"], "model.attention_impl=te", "Transformer Engine"),

@@ -117,7 +117,7 @@ def test_override_without_equals_rejected():
     ("model.norm=batchnorm", r"model\.norm='batchnorm': expected one of rmsnorm, layernorm"),
     ("optim.schedule=linear", r"optim\.schedule='linear': expected one of cosine, wsd, constant"),
     ("model.dtype=int8", r"model\.dtype='int8': expected one of float32, bfloat16, float16"),
-    ("model.precision=int4", r"model\.precision='int4': expected one of bf16, fp8, fp8_te"),
+    ("model.precision=int4", r"model\.precision='int4': expected one of bf16, fp8, fp8_delayed, fp8_te"),
 ])
 def test_value_outside_choices_rejected(override, message):
     with pytest.raises(ConfigError, match=message):

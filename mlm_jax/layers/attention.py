@@ -86,9 +86,9 @@ def local_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, 
 
 class Attention(nnx.Module):
     def __init__(self, c: AttentionConfig, *, std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs,
-                 precision: str = "bf16"):
+                 precision: str = "bf16", fp8_history: int = 16):
         self.c = c
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision, fp8_history=fp8_history)
         qkv = dict(std=std, bias_dims=2 if c.qkv_bias else 0, **kw)
         self.q = Linear("bsd,dnh->bsnh", (c.dim, c.num_heads, c.head_dim), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), **qkv)
         self.k = Linear("bsd,dkh->bskh", (c.dim, c.kv_heads, c.head_dim), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),

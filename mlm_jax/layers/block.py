@@ -29,6 +29,7 @@ class BlockConfig:
     init_std: float
     out_std: float  # output projections are scaled down with depth (GPT-2 / Megatron init)
     precision: str = "bf16"  # of the block's matmuls (the output head stays in `dtype`)
+    fp8_history: int = 16  # steps of max magnitudes a delayed-scaling (fp8_delayed) product scales by
     moe: MoELayerConfig | None = None  # experts instead of the dense FFN
     post_norms: bool = False  # norms on the attention and FFN outputs too (Gemma 2, 3)
     norm_offset: float = 0.0  # `Norm`'s scale offset
@@ -37,8 +38,9 @@ class BlockConfig:
 class Block(nnx.Module):
     def __init__(self, c: BlockConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         nkw = dict(kind=c.norm, eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype, offset=c.norm_offset)
+        self.precision = c.precision
         kw = dict(std=c.init_std, out_std=c.out_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                  precision=c.precision)
+                  precision=c.precision, fp8_history=c.fp8_history)
         self.attn_norm = Norm(c.attention.dim, **nkw)
         latent = isinstance(c.attention, LatentAttentionConfig)
         self.attn = (LatentAttention if latent else Attention)(c.attention, **kw)
@@ -73,8 +75,10 @@ class Block(nnx.Module):
 
     @property
     def foldable(self) -> bool:
-        """Whether both norms are RMSNorms feeding only products (attention's q, k, v and a dense MLP)."""
-        return self.attn_norm.kind == "rmsnorm" and isinstance(self.attn, Attention) and hasattr(self, "mlp")
+        """Whether both norms are RMSNorms feeding only products (attention's q, k, v and a dense MLP) whose
+        scales follow their weights (not delayed fp8 scaling, whose kernel scales come from past steps)."""
+        return (self.attn_norm.kind == "rmsnorm" and isinstance(self.attn, Attention) and hasattr(self, "mlp")
+                and self.precision != "fp8_delayed")
 
     def fold_norms(self) -> None:
         """Each pre-norm's gain multiplied into the weights its output feeds, the norm's scale set to the identity
@@ -92,7 +96,7 @@ class Block(nnx.Module):
     def fuse_projections(self) -> None:
         """Products sharing an input as one (`Attention.fuse_projections`, `MLP.fuse_projections`), for 16-bit
         products (an fp8 product's scale is the whole kernel's); the block computes the same function."""
-        if self.attn.q.precision != "bf16":
+        if self.precision != "bf16":
             return
         self.attn.fuse_projections()
         if hasattr(self, "mlp") and hasattr(self.mlp, "gate"):

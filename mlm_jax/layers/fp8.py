@@ -6,6 +6,14 @@ range the unscaled product overflows); the product is then multiplied by the two
 cuBLASLt fp8 GEMMs on Hopper and emulates them elsewhere, so CPU tests check the numerics of the same program.
 The backward pass keeps the fp8 copies of the inputs as residuals (half the memory of bf16) and quantizes the
 incoming gradient to e5m2, which has the range gradients need.
+
+Delayed scaling (`delayed_einsum`, `model.precision=fp8_delayed`, Transformer Engine's default recipe) scales each
+operand by the largest max magnitude in its history of the last steps' maxima instead: the scale is known before
+the operand is, so the cast to fp8 fuses into whatever produces the operand, and this step's max magnitude (for
+the history) is a reduction XLA can fuse beside it, not a pass that must finish before the cast can start. The
+history is a weight of the layer (`HISTORY`, [3, length]: input, kernel, output gradient) whose gradient is the
+history rolled by one step with this step's maxima in front: the trainer writes it in place of an optimizer
+update (`is_history`), taking the max over microbatches.
 """
 from __future__ import annotations
 
@@ -17,13 +25,33 @@ import jax.numpy as jnp
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
+HISTORY = "amax_history"  # the leaf name of a delayed-scaling layer's history of max magnitudes
+
+
 def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
     """(x / scale as fp8, scale) with scale = max|x| / fp8 max, so the largest value lands on the fp8 max."""
+    scale = jax.lax.stop_gradient(scale_for(amax(x), fp8_dtype))
+    return cast(x, scale, fp8_dtype), scale
+
+
+def amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def scale_for(amax: jax.Array, fp8_dtype) -> jax.Array:
+    """The scale that maps `amax` onto the fp8 max (1 for a zero or non-finite max: nothing to go by)."""
+    return jnp.where((amax > 0) & jnp.isfinite(amax), amax / float(jnp.finfo(fp8_dtype).max), 1.0)
+
+
+def cast(x: jax.Array, scale: jax.Array, fp8_dtype) -> jax.Array:
+    """x / scale in fp8, clipped because e4m3fn has no infinity: a value rounded past the max would become NaN."""
     fp8_max = float(jnp.finfo(fp8_dtype).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    scale = jax.lax.stop_gradient(jnp.where(amax > 0, amax / fp8_max, 1.0))
-    # Clipped because e4m3fn has no infinity: a value rounded past the max would become NaN.
-    return jnp.clip(x.astype(jnp.float32) / scale, -fp8_max, fp8_max).astype(fp8_dtype), scale
+    return jnp.clip(x.astype(jnp.float32) / scale, -fp8_max, fp8_max).astype(fp8_dtype)
+
+
+def is_history(path) -> bool:
+    """Whether a parameter tree's leaf at `path` (a `jax.tree_util` key path) is a delayed-scaling history."""
+    return bool(path) and getattr(path[-1], "key", None) == HISTORY
 
 
 def operands(equation: str) -> tuple[str, str, str]:
@@ -67,3 +95,32 @@ def _backward(equation, residuals, g):
 
 
 fp8_einsum.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def delayed_einsum(equation: str, x: jax.Array, w: jax.Array, history_3T: jax.Array) -> jax.Array:
+    """`fp8_einsum` with each operand scaled by the largest max magnitude of its row of `history_3T` (fp32 [3, T]:
+    input, kernel, output gradient; the newest step first). Its gradient for `history_3T` is the history one step
+    on: rolled by one, this step's three max magnitudes in front."""
+    return _delayed_forward(equation, x, w, history_3T)[0]
+
+
+def _delayed_forward(equation, x, w, history_3T):
+    scales = jax.lax.stop_gradient([scale_for(a, E4M3) for a in history_3T[:2].max(axis=1)])
+    xq, wq = cast(x, scales[0], E4M3), cast(w, scales[1], E4M3)
+    y = _dot(equation, xq, wq, scales[0] * scales[1], x.dtype)
+    return y, (xq, scales[0], wq, scales[1], history_3T, amax(x), amax(w))
+
+
+def _delayed_backward(equation, residuals, g):
+    xq, sx, wq, sw, history_3T, amax_x, amax_w = residuals
+    x, w, out = operands(equation)
+    sg = scale_for(history_3T[2].max(), E5M2)
+    gq = cast(g, sg, E5M2)
+    dx = _dot(f"{out},{w}->{x}", gq, wq, sg * sw, g.dtype)
+    dw = _dot(f"{x},{out}->{w}", xq, gq, sx * sg, g.dtype)
+    newest_3 = jnp.stack([amax_x, amax_w, amax(g)])
+    return dx, dw, jnp.concatenate([newest_3[:, None], history_3T[:, :-1]], axis=1)
+
+
+delayed_einsum.defvjp(_delayed_forward, _delayed_backward)

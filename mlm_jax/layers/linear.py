@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.layers import axes as ax
-from mlm_jax.layers.fp8 import fp8_einsum
+from mlm_jax.layers.fp8 import HISTORY, delayed_einsum, fp8_einsum
 
 
 def param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
@@ -21,17 +21,22 @@ class Linear(nnx.Module):
     """`y = einsum(equation, x, kernel) [+ bias]`; weights stored in `param_dtype`, operands cast to `dtype`.
 
     `bias_dims` is how many trailing kernel dims are output dims (and so the bias shape); 0 = no bias.
-    `precision`: bf16 multiplies in `dtype`; fp8 in XLA fp8 (`layers/fp8.py`); fp8_te through Transformer Engine.
+    `precision`: bf16 multiplies in `dtype`; fp8 in XLA fp8 (`layers/fp8.py`), fp8_delayed likewise with delayed
+    scaling over a history of `fp8_history` steps (a weight of the layer, `fp8.HISTORY`); fp8_te through
+    Transformer Engine.
     """
 
     def __init__(self, equation: str, kernel_shape: Sequence[int], names: Sequence[str], *, std: float,
-                 dtype, param_dtype, rngs: nnx.Rngs, bias_dims: int = 0, precision: str = "bf16"):
+                 dtype, param_dtype, rngs: nnx.Rngs, bias_dims: int = 0, precision: str = "bf16",
+                 fp8_history: int = 16):
         self.equation = equation
         self.dtype = dtype
         self.precision = precision
         self.kernel = param(std * jax.random.normal(rngs.params(), tuple(kernel_shape), param_dtype), names)
         if bias_dims:
             self.bias = param(jnp.zeros(tuple(kernel_shape)[-bias_dims:], param_dtype), tuple(names)[-bias_dims:])
+        if precision == "fp8_delayed":
+            setattr(self, HISTORY, param(jnp.zeros((3, fp8_history), jnp.float32), (None, None)))
 
     def refit(self, equation: str, kernel: jax.Array, names: Sequence[str | None],
               bias: jax.Array | None = None) -> Linear:
@@ -56,6 +61,8 @@ class Linear(nnx.Module):
             y = master(self.equation, x, self.kernel[...])
         elif self.precision == "fp8":
             y = fp8_einsum(self.equation, x, self.kernel[...].astype(self.dtype))
+        elif self.precision == "fp8_delayed":
+            y = delayed_einsum(self.equation, x, self.kernel[...].astype(self.dtype), getattr(self, HISTORY)[...])
         elif self.precision == "fp8_te":
             from mlm_jax.layers import te  # optional backend, imported only when chosen
             y = te.einsum(self.equation, x, self.kernel[...].astype(self.dtype))

@@ -12,9 +12,9 @@ from mlm_jax.layers.linear import Linear
 
 class MLP(nnx.Module):
     def __init__(self, dim: int, ffn: int, *, activation: str, std: float, out_std: float, dtype, param_dtype,
-                 rngs: nnx.Rngs, precision: str = "bf16"):
+                 rngs: nnx.Rngs, precision: str = "bf16", fp8_history: int = 16):
         self.activation = activation
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision, fp8_history=fp8_history)
         self.up = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)
         if activation in ("swiglu", "geglu"):
             self.gate = Linear("bsd,df->bsf", (dim, ffn), (ax.EMBED, ax.MLP), std=std, **kw)

@@ -68,7 +68,7 @@ class Experts(nnx.Module):
 
 class MoE(nnx.Module):
     def __init__(self, c: MoELayerConfig, *, std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs,
-                 precision: str = "bf16"):
+                 precision: str = "bf16", fp8_history: int = 16):
         self.c, self.dtype = c, dtype
         m = c.moe
         self.router = Router(c.dim, m.num_experts, std=std, with_bias=m.router == "sigmoid", param_dtype=param_dtype,
@@ -76,7 +76,8 @@ class MoE(nnx.Module):
         self.experts = Experts(c, std=std, out_std=out_std, param_dtype=param_dtype, rngs=rngs)
         if m.shared_experts:
             self.shared = MLP(c.dim, m.shared_experts * c.ffn, activation="swiglu", std=std, out_std=out_std,
-                              dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision)
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision,
+                              fp8_history=fp8_history)
 
     def route(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         """(experts_BSK, weights_BSK, statistics) for the tokens of `x_BSD`."""

@@ -52,6 +52,7 @@ def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
                        out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision,
+                       fp8_history=m.fp8_amax_history,
                        moe=MoELayerConfig(m.hidden_size, m.expert_ffn, moe_layer(m.moe)) if moe else None,
                        post_norms=m.post_norms, norm_offset=m.norm_scale_offset)
 

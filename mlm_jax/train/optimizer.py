@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import optax
 
 from mlm_jax.config import OptimConfig
+from mlm_jax.layers.fp8 import HISTORY
 
-NO_DECAY = ("scale", "bias")  # norm scales and biases (leaf names in the parameter tree)
+NO_DECAY = ("scale", "bias", HISTORY)  # norm scales, biases, fp8 histories (leaf names in the parameter tree)
 
 
 def schedule(o: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import MoEConfig
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers.fp8 import is_history
 from mlm_jax.layers.linear import master_einsum
 from mlm_jax.train.loss import cross_entropy
 from mlm_jax.train.state import TrainState
@@ -81,14 +82,23 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
         if compute_shardings is None:
             (_, metrics), grads = value_and_grad(params, batch)
             return metrics, grads
-        compute = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: p.astype(compute_dtype), params), compute_shardings)
+        compute = jax.lax.with_sharding_constraint(jax.tree_util.tree_map_with_path(
+            lambda path, p: p if is_history(path) else p.astype(compute_dtype), params), compute_shardings)
         (_, metrics), grads = value_and_grad(compute, batch)
         return metrics, to_master(grads)
 
     def to_master(grads):
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         return jax.lax.with_sharding_constraint(grads, master_shardings)
+
+    def add(grad_sum, grads):
+        """The microbatch's gradients added to the fp32 sums; a delayed-scaling history's "gradient" (the history
+        one step on) takes the max over the microbatches instead."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, s, g: jnp.maximum(s, g) if is_history(path) else s + g.astype(jnp.float32), grad_sum, grads)
+
+    def mean(grad_sum):
+        return jax.tree_util.tree_map_with_path(lambda path, s: s if is_history(path) else s / accum_steps, grad_sum)
 
     def accumulate(params, batch):
         """Mean loss and gradient over `accum_steps` microbatches; row j*A + a of the batch is in microbatch a,
@@ -102,13 +112,11 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
         def body(grad_sum, a):
             mb = jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
             metrics, grads = grads_of(params, mb)
-            grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-            return to_master(grad_sum), metrics
+            return to_master(add(grad_sum, grads)), metrics
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         grad_sum, metrics_A = jax.lax.scan(body, to_master(zeros), jnp.arange(accum_steps))
-        return (jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A),
-                jax.tree.map(lambda g: g / accum_steps, grad_sum))
+        return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A), mean(grad_sum)
 
     def accumulate_per_layer(params, batch, stacks):
         """`accumulate` with one sum per layer of `stacks` (see `per_layer`)."""
@@ -132,14 +140,12 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
             # taken apart here, each layer's weights are read where they are used (taken apart before the loop,
             # they would be copied out of the stacks)
             (_, metrics), grads = value_and_grad(spread(params, lambda w, i: w[i]), mb)
-            grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-            return jax.lax.with_sharding_constraint(grad_sum, layer_shardings), metrics
+            return jax.lax.with_sharding_constraint(add(grad_sum, grads), layer_shardings), metrics
 
         zeros = spread(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), lambda w, i: w[i])
         with ax.kernels(**{ax.MASTER_EINSUM: master_einsum}):
             grad_sum, metrics_A = jax.lax.scan(body, zeros, jnp.arange(accum_steps))
-        return (jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A),
-                to_master(jax.tree.map(lambda g: g / accum_steps, gather(grad_sum))))
+        return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A), to_master(mean(gather(grad_sum)))
 
     def grads_fn(params, batch):
         with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
@@ -162,16 +168,20 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
 def make_train_step(tx: optax.GradientTransformation, grads_fn: Callable, *, lr_schedule: optax.Schedule,
                     moe: MoEConfig | None = None) -> Callable:
     """`step(state, batch) -> (state, metrics)`: `grads_fn` (`make_grad_fn`), then AdamW; a step whose loss or
-    gradient is not finite leaves the weights and the optimizer state as they were and is counted."""
+    gradient is not finite leaves the weights and the optimizer state as they were and is counted. A
+    delayed-scaling history (`fp8.is_history`) takes its "gradient", the history one step on, in place of an
+    update; AdamW sees a zero gradient there (and decays no history: `optimizer.NO_DECAY`)."""
 
     def step(state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
-        metrics, grads = grads_fn(state.params, batch)
+        metrics, raw = grads_fn(state.params, batch)
+        grads = jax.tree_util.tree_map_with_path(lambda path, g: jnp.zeros_like(g) if is_history(path) else g, raw)
         loss = metrics["loss"]
         with jax.named_scope("optimizer"):
             grad_norm = optax.tree.norm(grads)
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            params = jax.tree_util.tree_map_with_path(lambda path, p, g: g if is_history(path) else p, params, raw)
             if moe is not None and moe.router_bias_update:
                 params = update_router_bias(params, metrics["moe_load"], moe.router_bias_update)
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
