@@ -101,7 +101,6 @@ def bf16_loss(tmp_path_factory):
 
 
 @pytest.mark.parametrize("overrides, num_devices", [
-    pytest.param([], 1, id="one-device"),
     pytest.param(["parallel.data=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
                   "model.scan_layers=false", "train.micro_batch_size=2"], 4, id="data2-tensor2-unrolled-accumulated"),
 ])
