@@ -98,6 +98,8 @@ CASES = [
          "does not divide the 8 devices"),
     case("degrees-not-device-count", ["parallel.data=3"], "parallel.data=3", "8 devices"),
     case("layers-by-stage", ["parallel.stage=8", "parallel.data=1"], "model.num_layers=4", "parallel.stage=8"),
+    case("fp8-delayed-pipeline", ["model.precision=fp8_delayed", "parallel.stage=2", "parallel.data=4"],
+         "model.precision=fp8_delayed", "parallel.stage=2"),
     case("virtual-without-stages", ["parallel.virtual_stages=2"], "parallel.virtual_stages=2",
          "parallel.stage > 1"),
     case("microbatches-below-stages", ["parallel.stage=4", "parallel.data=2", "train.num_microbatches=2"],

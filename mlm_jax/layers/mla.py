@@ -49,7 +49,8 @@ class LatentAttention(nnx.Module):
     def __init__(self, c: LatentAttentionConfig, *, std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs,
                  precision: str = "bf16", fp8_history: int = 16):
         self.c = c
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision, fp8_history=fp8_history, std=std)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision, fp8_history=fp8_history,
+                  std=std)
         nkw = dict(kind="rmsnorm", eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype)
         N, qk = c.num_heads, c.nope_dim + c.rope_dim
         if c.q_rank is None:

@@ -100,17 +100,21 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
     def mean(grad_sum):
         return jax.tree_util.tree_map_with_path(lambda path, s: s if is_history(path) else s / accum_steps, grad_sum)
 
-    def accumulate(params, batch):
-        """Mean loss and gradient over `accum_steps` microbatches; row j*A + a of the batch is in microbatch a,
-        so every microbatch keeps the batch's data-parallel split without moving rows."""
-        def split(x_BS):
-            b, s = x_BS.shape
-            return ax.constrain(x_BS.reshape(b // accum_steps, accum_steps, s), (ax.ACT_BATCH, None, None))
+    def microbatches(batch):
+        """The batch as [b / A, A, s]: row j*A + a of the batch is in microbatch a, so every microbatch keeps the
+        batch's data-parallel split without moving rows."""
+        return jax.tree.map(lambda x_BS: ax.constrain(x_BS.reshape(x_BS.shape[0] // accum_steps, accum_steps,
+                                                                   x_BS.shape[1]), (ax.ACT_BATCH, None, None)), batch)
 
-        micro = jax.tree.map(split, batch)
+    def microbatch(micro, a):
+        return jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
+
+    def accumulate(params, batch):
+        """Mean loss and gradient over `accum_steps` microbatches (`microbatches`)."""
+        micro = microbatches(batch)
 
         def body(grad_sum, a):
-            mb = jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
+            mb = microbatch(micro, a)
             metrics, grads = grads_of(params, mb)
             return to_master(add(grad_sum, grads)), metrics
 
@@ -120,9 +124,7 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
 
     def accumulate_per_layer(params, batch, stacks):
         """`accumulate` with one sum per layer of `stacks` (see `per_layer`)."""
-        micro = jax.tree.map(lambda x_BS: ax.constrain(
-            x_BS.reshape(x_BS.shape[0] // accum_steps, accum_steps, x_BS.shape[1]), (ax.ACT_BATCH, None, None)),
-            batch)
+        micro = microbatches(batch)
         counts = {k: jax.tree.leaves(params[k])[0].shape[0] for k in stacks}
 
         def spread(tree, take):
@@ -136,7 +138,7 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
         value_and_grad = jax.value_and_grad(lambda p, mb: loss_fn(gather(p), mb), has_aux=True)
 
         def body(grad_sum, a):
-            mb = jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
+            mb = microbatch(micro, a)
             # taken apart here, each layer's weights are read where they are used (taken apart before the loop,
             # they would be copied out of the stacks)
             (_, metrics), grads = value_and_grad(spread(params, lambda w, i: w[i]), mb)
