@@ -1,5 +1,6 @@
 """Hugging Face interop: logits match transformers, round trips are exact, trained sharded checkpoints export,
 and every unsupported source is one `error: ...` line with exit code 2."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,8 +20,8 @@ from hf_models import (TOKENS_BS, VOCAB, assert_round_trip, convert, hf_logits, 
 
 from mlm_jax import Trainer, load_config  # noqa: E402
 from mlm_jax.config import Config, ModelConfig  # noqa: E402
-from mlm_jax.convert import store  # noqa: E402
-from mlm_jax.train.state import model_spec  # noqa: E402
+from mlm_jax.convert import llama, store  # noqa: E402
+from mlm_jax.train.state import init_params, model_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -112,6 +113,25 @@ def test_checkpoint_trained_under_fsdp_tp_dp_exports_to_transformers(tmp_path):
     trained_BSV = our_logits(run)
     assert np.abs(trained_BSV - start_BSV).max() > 1e-3  # the two steps changed the weights
     assert np.abs(hf_logits(exported) - trained_BSV).max() <= 1e-4
+
+
+def test_checkpoint_with_fp8_delayed_histories_exports_the_same_tensors(tmp_path):
+    """The histories are training state: the export of weights that carry them equals the export without."""
+    plain = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64)
+    delayed = dataclasses.replace(plain, precision="fp8_delayed")
+    params = init_params(delayed, 0, None)
+    assert any(p[-1] == "amax_history" for p, _ in llama._leaves(params))
+    for name, m, weights in (("plain", plain, _without_histories(params)), ("delayed", delayed, params)):
+        store.save_weights(str(tmp_path / name / "checkpoints"), jax.tree.map(np.asarray, weights),
+                           {"step": 0, "config": Config(model=m).to_dict()})
+        convert("to-hf", tmp_path / name, tmp_path / f"{name}-hf")
+    ours, theirs = hf_tensors(tmp_path / "delayed-hf"), hf_tensors(tmp_path / "plain-hf")
+    assert ours.keys() == theirs.keys()
+    assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
+
+
+def _without_histories(node: dict) -> dict:
+    return {k: _without_histories(v) if isinstance(v, dict) else v for k, v in node.items() if k != "amax_history"}
 
 
 def _config_only(tmp_path, **changes):

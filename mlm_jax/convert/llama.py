@@ -109,8 +109,10 @@ def stacks(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 def layout(m: ModelConfig, shapes: dict, entries: tuple[Entry, ...] = ENTRIES,
            family: str = "Llama") -> list[tuple[Entry, tuple[int, ...]]]:
     """Our parameters (a nested dict of shaped leaves) in HF order, with their full shapes; a per-layer entry
-    pairs with the parameter of each stack that has it."""
-    flat = dict(_leaves(shapes))
+    pairs with the parameter of each stack that has it. fp8 delayed-scaling histories are training state with no
+    Hugging Face counterpart, left out."""
+    from mlm_jax.layers.fp8 import HISTORY  # lazily: the CLI checks configs through this module before jax
+    flat = {path: shape for path, shape in _leaves(shapes) if path[-1] != HISTORY}
     out = []
     for e in entries:
         for stack, layers in (stacks(m).items() if e.layered else [(None, ())]):
