@@ -169,8 +169,12 @@ _take_tokens.defvjp(lambda x, t, c: (jnp.take(x, t, axis=0), c),
 
 def _grouped_swiglu(x_RD: jax.Array, sizes_E: jax.Array, gate_EDF: jax.Array, up_EDF: jax.Array,
                     down_EFD: jax.Array, matmul: GroupedMatmul) -> jax.Array:
-    """Each expert's SwiGLU on its group of the expert-sorted rows."""
-    h_RF = jax.nn.silu(matmul(x_RD, gate_EDF, sizes_E)) * matmul(x_RD, up_EDF, sizes_E)
+    """Each expert's SwiGLU on its group of the expert-sorted rows; gate and up as one grouped matmul over their
+    concatenated columns (one pass over the rows, and one input-gradient product over 2F instead of two and an add:
+    moe-1b 1.01x on an H200)."""
+    F = gate_EDF.shape[-1]
+    gate_up_R2F = matmul(x_RD, jnp.concatenate([gate_EDF, up_EDF], axis=-1), sizes_E)
+    h_RF = jax.nn.silu(gate_up_R2F[:, :F]) * gate_up_R2F[:, F:]
     return matmul(h_RF, down_EFD, sizes_E)
 
 
