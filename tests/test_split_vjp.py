@@ -49,7 +49,7 @@ def _model(scan: bool, *overrides, active=None, local=None):
     """The model's blocks as a pipeline chunk runs them (`_Stage.chunk`: `active`, whether each of the last layers
     runs, as in a chunk shorter than its stage's room; `local`, traced window flags, as in a chunk whose layer kinds
     differ from other chunks'), and its number of weight matmuls: one for each (L, ...) weight of 3 dims or more,
-    in each layer."""
+    in each layer, but one for an MoE layer's gate and up experts (`layers.experts`: one grouped matmul)."""
     m = load_config(None, [f"model.num_layers={L}", f"model.hidden_size={D}", "model.num_heads=4",
                            f"model.ffn_size={F}", "model.vocab_size=128", "model.dtype=float32",
                            f"model.scan_layers={str(scan).lower()}", *overrides]).model
@@ -69,6 +69,7 @@ def _model(scan: bool, *overrides, active=None, local=None):
         return nnx.merge(spec.graphdef, params).run_chunk(x_BSD, positions_BS, pools, slots, on, flags)[0]
     pools = {stack: params[stack] for stack in stacks}
     matmuls = sum(sum(a.ndim >= 3 for a in jax.tree.leaves(w)) * len(jax.tree.leaves(w)[0]) for w in pools.values())
+    matmuls -= sum(len(w["moe"]["experts"]["gate"]) for w in pools.values() if "moe" in w)  # gate+up: one product
     return f, pools, matmuls
 
 
