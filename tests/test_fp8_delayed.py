@@ -107,3 +107,20 @@ def bf16_loss(tmp_path_factory):
 def test_training_tracks_bf16(overrides, num_devices, bf16_loss, tmp_path):
     delayed = final_loss(["model.precision=fp8_delayed"] + overrides, num_devices, tmp_path)
     assert bf16_loss < 3.5 and abs(delayed - bf16_loss) / bf16_loss < 0.03
+
+
+def test_starts_from_weights_without_histories(tmp_path):
+    """`checkpoint.init_from` a run of another precision (or a converted model): its weights, histories empty."""
+    plain = [o for o in BASE if not o.startswith(("model.precision", "model.fp8"))]
+    source = Trainer(load_config(None, plain + ["train.steps=1", f"train.output_dir={tmp_path / 'bf16'}"]),
+                     devices=jax.devices()[:1])
+    source.fit()
+    cfg = load_config(None, BASE + [f"train.output_dir={tmp_path / 'fp8'}",
+                                    f"checkpoint.init_from={tmp_path / 'bf16' / 'checkpoints'}"])
+    trainer = Trainer(cfg, devices=jax.devices()[:2])
+    got, want = leaves(trainer.state.params), leaves(source.state.params)
+    histories = {path for path in got if "amax_history" in path}
+    assert histories and got.keys() - histories == want.keys()
+    assert all(np.array_equal(got[path], want[path]) for path in want)
+    assert all(not got[path].any() for path in histories)
+    assert np.isfinite(trainer.fit()[-1]["loss"])

@@ -15,9 +15,11 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from mlm_jax.config import ConfigError
+from mlm_jax.layers import fp8
 from mlm_jax.train.state import TrainState
 
 FORMAT = 1
@@ -93,6 +95,21 @@ def locate(path: str) -> tuple[str, list[int]]:
     if name.isdigit() and int(name) in checkpoint_steps(parent):
         return parent, [int(name)]
     return path, []
+
+
+def _without_histories(tree: dict) -> dict:
+    return {k: _without_histories(v) if isinstance(v, dict) else v for k, v in tree.items() if k != fp8.HISTORY}
+
+
+def _with_empty_histories(params: dict, abstract: dict) -> dict:
+    """`params` with the zero (empty) history of each one `abstract` has and `params` lacks, in its sharding."""
+    def fill(p, a):
+        if isinstance(a, dict):
+            return {k: fill((p or {}).get(k), v) for k, v in a.items()}
+        if p is not None:
+            return p
+        return jax.make_array_from_callback(a.shape, a.sharding, lambda index: np.zeros(a.shape, a.dtype)[index])
+    return fill(params, abstract)
 
 
 def _first_line(e: Exception) -> str:
@@ -194,18 +211,27 @@ def restore_params(path: str, abstract_params) -> tuple[Any, dict]:
     directory, steps = locate(path)
     if not steps:
         raise CheckpointError(f"checkpoint.init_from={path}: no checkpoint found there")
+    # A run with fp8 delayed scaling starting from weights that have no histories (another precision's run, a
+    # converted model): the weights are read alone and the histories start empty, as in a fresh run.
+    weights = _without_histories(abstract_params)
+    trees = [abstract_params] if weights == abstract_params else [abstract_params, weights]
     manager = _manager(directory, None, create=False)
     failed: list[tuple[int, str]] = []
     try:
         for step in sorted(steps, reverse=True):
-            try:
-                out = manager.restore(step, args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore()))
-            except Exception as e:  # noqa: BLE001
-                failed.append((step, _first_line(e)))
+            errors = []
+            for tree in trees:
+                try:
+                    out = manager.restore(step, args=ocp.args.Composite(
+                        params=ocp.args.StandardRestore(tree), meta=ocp.args.JsonRestore()))
+                    break
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+            else:
+                failed.append((step, _first_line(errors[0])))
                 continue
             _warn_unreadable(directory, failed, step)
-            return out.params, dict(out.meta)
+            return _with_empty_histories(out.params, abstract_params), dict(out.meta)
     finally:
         manager.close()
     raise CheckpointError(f"checkpoint.init_from={path}: no readable checkpoint (step {failed[0][0]}: "
