@@ -274,13 +274,16 @@ class DataConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Sharded async checkpoints. `dir` defaults to `<train.output_dir>/checkpoints`; `every: 0` saves only at the
-    end (and on SIGTERM/SIGINT). `resume`: auto (the newest in `dir`, if any), none, or a checkpoint path.
+    end (and on SIGTERM/SIGINT); `save: false` never saves on its own (benchmarks, sweeps: a signal then stops
+    training without a checkpoint; `Trainer.save()` still writes one). `resume`: auto (the newest in `dir`, if any),
+    none, or a checkpoint path.
     `init_from`: start a new run from another checkpoint's weights (fresh optimizer). Resuming with another
     `train.seed` or data blend than the checkpoint recorded changes the data order and is refused unless
     `allow_data_change` is set."""
 
     dir: str | None = None
     every: int = non_negative(0)
+    save: bool = True
     keep: int = positive(3)
     resume: str = "auto"
     init_from: str | None = None

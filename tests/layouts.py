@@ -30,15 +30,15 @@ def leaves(tree) -> dict[str, np.ndarray]:
 
 
 def fit(base, overrides, num_devices, tmp_path) -> Run:
-    """`base + overrides` trained on the first `num_devices` devices, one step at a time, the gradients of each
-    step's batch taken (`Trainer.gradients`) before the step."""
+    """`base + overrides` trained on the first `num_devices` devices, one step at a time, each step's gradients
+    read from the train step itself (`keep_gradients`)."""
     cfg = load_config(None, base + [f"train.output_dir={tmp_path}"] + overrides)
-    trainer = Trainer(cfg, devices=jax.devices()[:num_devices])
+    trainer = Trainer(cfg, devices=jax.devices()[:num_devices], keep_gradients=True)
     run = Run(trainer, [], [], [])
     while int(trainer.state.step) < cfg.train.steps:
         run.params.append(jax.device_get(trainer.state.params))
-        run.grads.append(leaves(trainer.gradients()[1]))
         run.records += [r for r in trainer.fit(steps=1) if "loss" in r]
+        run.grads.append(leaves(trainer.last_gradients))
     return run
 
 

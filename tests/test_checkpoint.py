@@ -195,6 +195,21 @@ def test_nan_policy_stop_saves_and_raises(tmp_path):
     np.testing.assert_array_equal(jax.device_get(t.state.params["head"]["kernel"]), good)
 
 
+def test_save_false_writes_no_checkpoint_unless_asked(tmp_path):
+    t = trainer(tmp_path / "a", "train.steps=2", "checkpoint.save=false", devices=1)
+    t.fit()
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    t.save()
+    t.checkpointer.wait()
+    assert checkpoint_steps(str(tmp_path / "a" / "checkpoints")) == [2]
+    t = trainer(tmp_path / "b", "train.steps=2", "checkpoint.save=false", "train.nan_policy=stop", devices=1)
+    t.state = t.state._replace(params=dict(t.state.params, final_norm={"scale": t.state.params["final_norm"]["scale"]
+                                                                       * jnp.nan}))
+    with pytest.raises(TrainingStopped, match=r"in step 1 .*, no checkpoint written \(checkpoint.save=false\)"):
+        t.fit()
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+
 def _cli(tmp_path, *args):
     return subprocess.Popen([sys.executable, "-m", "mlm_jax.train", *BASE, f"train.output_dir={tmp_path}", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -10,7 +10,7 @@ from mlm_jax.validation import check_degrees
 
 BASE = ["model.dtype=float32", "model.num_layers=2", "model.num_kv_heads=2", "train.steps=3", "train.log_every=1",
         "train.eval_every=0", "train.global_batch_size=8", "train.seq_len=64", "log.progress=never", "optim.warmup_steps=0",
-        "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none"]
+        "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none", "checkpoint.save=false"]
 
 
 @pytest.fixture(scope="module")

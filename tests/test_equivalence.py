@@ -10,7 +10,7 @@ from layouts import assert_matches, fit, reference
 
 BASE = ["model.dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=8", "train.seq_len=64", "log.progress=never", "optim.warmup_steps=0",
-        "optim.lr=1e-2", "data.max_bytes=2000000"]
+        "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.save=false"]
 
 
 def run(overrides, num_devices, tmp_path):

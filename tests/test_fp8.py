@@ -89,7 +89,8 @@ def test_fp8_program_contains_fp8_dots():
 
 
 BASE = ["train.steps=40", "train.log_every=40", "train.eval_every=0", "train.global_batch_size=8", "model.num_layers=2",
-        "train.seq_len=64", "log.progress=never", "data.max_bytes=2000000", "parallel.data=1"]
+        "train.seq_len=64", "log.progress=never", "data.max_bytes=2000000", "parallel.data=1",
+        "checkpoint.save=false"]
 
 
 def test_fp8_training_tracks_bf16_and_composes_with_tensor_parallelism(tmp_path):

@@ -55,7 +55,7 @@ def test_with_a_history_of_its_own_operands_it_is_as_accurate_as_current_scaling
 
 BASE = ["model.dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=8", "train.seq_len=64", "log.progress=never", "optim.warmup_steps=0",
-        "optim.lr=1e-2", "data.max_bytes=2000000", "model.precision=fp8_delayed", "model.fp8_amax_history=4"]
+        "optim.lr=1e-2", "data.max_bytes=2000000", "model.precision=fp8_delayed", "model.fp8_amax_history=4", "checkpoint.save=false"]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_training_tracks_bf16(overrides, num_devices, bf16_loss, tmp_path):
 
 def test_starts_from_weights_without_histories(tmp_path):
     """`checkpoint.init_from` a run of another precision (or a converted model): its weights, histories empty."""
-    plain = [o for o in BASE if not o.startswith(("model.precision", "model.fp8"))]
+    plain = [o for o in BASE if not o.startswith(("model.precision", "model.fp8", "checkpoint.save"))]
     source = Trainer(load_config(None, plain + ["train.steps=1", f"train.output_dir={tmp_path / 'bf16'}"]),
                      devices=jax.devices()[:1])
     source.fit()

@@ -18,7 +18,7 @@ from mlm_jax.validation import check_degrees
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.ffn_size=64", "model.moe.z_loss_coef=1e-3"]
 BASE = ["model.dtype=float32", "model.num_layers=2", "train.steps=3", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=8", "train.seq_len=32", "log.progress=never", "optim.warmup_steps=0",
-        "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none"] + MOE
+        "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none", "checkpoint.save=false"] + MOE
 
 
 SMALL_CAPACITY = ["model.moe.capacity_factor=0.5"]  # per row (capacity_group_rows=1): 4 of a row's 64 per expert

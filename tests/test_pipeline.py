@@ -14,7 +14,7 @@ from mlm_jax.validation import check_degrees
 
 BASE = ["model.dtype=float32", "model.num_layers=8", "train.steps=3", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=16", "train.seq_len=32", "log.progress=never", "optim.warmup_steps=0",
-        "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none"]
+        "optim.lr=1e-2", "data.max_bytes=2000000", "checkpoint.resume=none", "checkpoint.save=false"]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ EVAL_LAYOUTS["stage2-virtual2-dense-and-moe-windowed"] = [
 @pytest.mark.parametrize("layout", list(EVAL_LAYOUTS))
 def test_pipelined_evaluation_equals_plain_evaluation(layout, tmp_path):
     """`Trainer.evaluate` with stages runs the pipeline's forward ticks; same initial weights, same loss."""
-    common = BASE + ["train.eval_batches=2", "checkpoint.every=0"] + [o for o in EVAL_LAYOUTS[layout] if "model." in o]
+    common = BASE + ["train.eval_batches=2"] + [o for o in EVAL_LAYOUTS[layout] if "model." in o]
     plain = Trainer(load_config(None, common + [f"train.output_dir={tmp_path / 'plain'}"]), devices=jax.devices()[:1])
     piped = Trainer(load_config(None, common + EVAL_LAYOUTS[layout] + [f"train.output_dir={tmp_path / 'piped'}"]),
                     devices=jax.devices()[:8])

@@ -21,7 +21,7 @@ from test_pipeline import LAYOUTS
 BASE = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
         "model.ffn_size=128", "model.vocab_size=264", "train.steps=20", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=16", "train.seq_len=16", "log.progress=never", "optim.warmup_steps=0",
-        "optim.lr=3e-3", "data.max_bytes=2000000", "checkpoint.every=0", "checkpoint.resume=none"]
+        "optim.lr=3e-3", "data.max_bytes=2000000", "checkpoint.save=false", "checkpoint.resume=none"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_size=64"]
 PRECISIONS = {"bf16-params-zero1-fp8": ["model.dtype=bfloat16", "model.param_dtype=bfloat16",
                                         "parallel.shard_optimizer=true", "model.precision=fp8"]}

@@ -43,10 +43,16 @@ class TrainingStopped(RuntimeError):
 
 
 class Trainer:
-    """Notebook and CLI entry point: `Trainer(cfg).fit()`, `.evaluate()`, `.model`, `.state`."""
+    """Notebook and CLI entry point: `Trainer(cfg).fit()`, `.evaluate()`, `.model`, `.state`.
 
-    def __init__(self, cfg: Config, devices=None):
+    `keep_gradients`: each train step also returns its gradients (at the weights before its update, in the master
+    layout), which `fit` leaves in `last_gradients`: what a layout computes, read from the very program that trains,
+    at the cost of writing every gradient out (memory, and a little speed); `gradients()` compiles a program of its
+    own instead."""
+
+    def __init__(self, cfg: Config, devices=None, *, keep_gradients: bool = False):
         devices = list(devices) if devices is not None else jax.devices()
+        self.keep_gradients, self.last_gradients = keep_gradients, None
         self.plan = plan(cfg, devices)  # every rule checked before anything is traced or written
         self.degrees, self.accum_steps = self.plan.degrees, self.plan.accum_steps
         if cfg.train.output_dir is None:
@@ -103,7 +109,7 @@ class Trainer:
         # _resume before the Checkpointer (which creates the directory): a refused resume writes nothing, and the
         # manager lists the steps only after unreadable checkpoints are moved aside
         resumed = self._resume(abstract)
-        self.checkpointer = ckpt.Checkpointer(c.dir, c.every, c.keep)
+        self.checkpointer = ckpt.Checkpointer(c.dir, c.every, c.keep) if c.save else None
         if resumed is not None:
             self.state: TrainState = resumed
             return
@@ -172,11 +178,13 @@ class Trainer:
             compute_shardings=shd.named(self.mesh, self.param_specs) if zero1 else None,
             compute_dtype=jnp.dtype(cfg.model.dtype), pipeline=pipeline, moe=moe, kernels=kernels, prepare=prepare,
             per_layer=() if cfg.model.scan_layers else STACKS)
-        step = make_train_step(self.tx, grads, lr_schedule=self.lr_schedule, moe=moe)
+        step = make_train_step(self.tx, grads, lr_schedule=self.lr_schedule, moe=moe,
+                               keep_gradients=self.keep_gradients)
         shardings = state_shardings(self.state)
         batch_shardings = {"inputs": self.batch_sharding, "targets": self.batch_sharding}
+        kept = (self.master_shardings,) if self.keep_gradients else ()
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
-                                   out_shardings=(shardings, None), donate_argnums=0)
+                                   out_shardings=(shardings, None, *kept), donate_argnums=0)
         self._grads = jax.jit(grads, in_shardings=(self.master_shardings, batch_shardings),
                               out_shardings=(None, self.master_shardings))
         self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver, moe, kernels, prepare, forward),
@@ -232,18 +240,25 @@ class Trainer:
 
     def save(self) -> None:
         """Starts an async save of the current state (training goes on while it is written)."""
+        if self.checkpointer is None:  # checkpoint.save=false: asked for by name
+            c = self.cfg.checkpoint
+            self.checkpointer = ckpt.Checkpointer(c.dir, c.every, c.keep)
         step = int(self.state.step)
         self.checkpointer.save(self.state, {"step": step, "data_step": step, "seed": self.cfg.train.seed,
                                             "config": self.cfg.to_dict()})
 
+    def _wait_for_saves(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
     def fit(self, steps: int | None = None) -> list[dict]:
         """Train `steps` more steps (default: up to `train.steps`); returns the logged records.
 
-        Saves every `checkpoint.every` steps and at the end of training. SIGTERM or SIGINT finishes the current
-        step, saves and returns. With `train.nan_policy=stop`, a non-finite step saves the state (the bad update
-        dropped) and raises `TrainingStopped`.
+        Saves every `checkpoint.every` steps and at the end of training (none of it with `checkpoint.save=false`).
+        SIGTERM or SIGINT finishes the current step, saves and returns. With `train.nan_policy=stop`, a non-finite
+        step saves the state (the bad update dropped) and raises `TrainingStopped`.
         """
-        t = self.cfg.train
+        t, saving = self.cfg.train, self.cfg.checkpoint.save
         start = int(self.state.step)
         end = t.steps if steps is None else start + steps
         records: list[dict] = []
@@ -267,7 +282,9 @@ class Trainer:
                 if step > start:
                     batch = prefetch.get(step)
                 profiler.before(step + 1)
-                self.state, pending = self._compiled(self.state, batch)
+                self.state, pending, *kept = self._compiled(self.state, batch)
+                if kept:
+                    self.last_gradients = kept[0]
                 window_steps += 1
                 done = step + 1
                 profiler.after(done, self.state)
@@ -295,32 +312,34 @@ class Trainer:
                     self.log.write(rec)
                     window_start = time.perf_counter()
                 stopping = stop.agreed(logged)
-                if self.checkpointer.due(done) or done == t.steps or stopping:
+                if saving and (self.checkpointer.due(done) or done == t.steps or stopping):
                     self.save()
                 if stopping:
-                    self.checkpointer.wait()
+                    self._wait_for_saves()
                     self.log.end_line()
                     if self.is_main:
-                        print(f"received {stop.received}: saved checkpoint at step {done} to "
-                              f"{self.checkpointer.directory}/{done}")
+                        print(f"received {stop.received}: " + (
+                            f"saved checkpoint at step {done} to {self.checkpointer.directory}/{done}" if saving
+                            else f"stopped at step {done} without a checkpoint (checkpoint.save=false)"))
                     break
         finally:
             profiler.stop()
             stop.restore()
             prefetch.close()
             self.log.end_line()
-            self.checkpointer.wait()
+            self._wait_for_saves()
         return records
 
     def _stop_on_nan(self, first: int, last: int, dropped: int) -> None:
         """`train.nan_policy=stop`, checked on logged steps only (no host wait on the others): every non-finite
         update was dropped, so the weights saved here hold only finite ones."""
+        where = f"step {last}" if first == last else f"steps {first}..{last}"
+        stopped = f"non-finite loss or gradient in {where} (train.nan_policy=stop): {dropped} update(s) dropped"
+        if not self.cfg.checkpoint.save:
+            raise TrainingStopped(f"{stopped}, no checkpoint written (checkpoint.save=false)")
         self.save()
         self.checkpointer.wait()
-        where = f"step {last}" if first == last else f"steps {first}..{last}"
-        raise TrainingStopped(
-            f"non-finite loss or gradient in {where} (train.nan_policy=stop): {dropped} update(s) dropped, the "
-            f"weights saved to {self.checkpointer.directory}/{last}")
+        raise TrainingStopped(f"{stopped}, the weights saved to {self.checkpointer.directory}/{last}")
 
     def _startup_report(self) -> None:
         cfg = self.cfg

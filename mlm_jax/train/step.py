@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -168,13 +167,16 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
 
 
 def make_train_step(tx: optax.GradientTransformation, grads_fn: Callable, *, lr_schedule: optax.Schedule,
-                    moe: MoEConfig | None = None) -> Callable:
+                    moe: MoEConfig | None = None, keep_gradients: bool = False) -> Callable:
     """`step(state, batch) -> (state, metrics)`: `grads_fn` (`make_grad_fn`), then AdamW; a step whose loss or
     gradient is not finite leaves the weights and the optimizer state as they were and is counted. A
     delayed-scaling history (`fp8.is_history`) takes its "gradient", the history one step on, in place of an
-    update; AdamW sees a zero gradient there (and decays no history: `optimizer.NO_DECAY`)."""
+    update; AdamW sees a zero gradient there (and decays no history: `optimizer.NO_DECAY`).
 
-    def step(state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
+    `keep_gradients`: `step(state, batch) -> (state, metrics, gradients)`, the gradients as `grads_fn` returns
+    them (a program output: written to memory, where AdamW alone would read them where the backward leaves them)."""
+
+    def step(state: TrainState, batch) -> tuple:
         metrics, raw = grads_fn(state.params, batch)
         grads = jax.tree_util.tree_map_with_path(lambda path, g: jnp.zeros_like(g) if is_history(path) else g, raw)
         loss = metrics["loss"]
@@ -194,7 +196,7 @@ def make_train_step(tx: optax.GradientTransformation, grads_fn: Callable, *, lr_
                    "skipped_steps": new_state.skipped_steps}
         if "moe_load" in metrics:
             metrics["moe_load_max_mean"] = load_imbalance(metrics.pop("moe_load"))
-        return new_state, metrics
+        return (new_state, metrics, raw) if keep_gradients else (new_state, metrics)
 
     return step
 
