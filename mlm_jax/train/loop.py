@@ -47,8 +47,7 @@ class Trainer:
 
     `keep_gradients`: each train step also returns its gradients (at the weights before its update, in the master
     layout), which `fit` leaves in `last_gradients`: what a layout computes, read from the very program that trains,
-    at the cost of writing every gradient out (memory, and a little speed); `gradients()` compiles a program of its
-    own instead."""
+    at the cost of the memory of every gradient written out; `gradients()` compiles a program of its own instead."""
 
     def __init__(self, cfg: Config, devices=None, *, keep_gradients: bool = False):
         devices = list(devices) if devices is not None else jax.devices()
