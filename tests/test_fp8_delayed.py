@@ -55,7 +55,8 @@ def test_with_a_history_of_its_own_operands_it_is_as_accurate_as_current_scaling
 
 BASE = ["model.dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=8", "train.seq_len=64", "log.progress=never", "optim.warmup_steps=0",
-        "optim.lr=1e-2", "data.max_bytes=2000000", "model.precision=fp8_delayed", "model.fp8_amax_history=4", "checkpoint.save=false"]
+        "optim.lr=1e-2", "data.max_bytes=2000000", "model.precision=fp8_delayed", "model.fp8_amax_history=4",
+        "checkpoint.save=false"]
 
 
 @pytest.fixture(scope="module")
