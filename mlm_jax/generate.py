@@ -131,7 +131,7 @@ class Run:
         """While tracing: the activation layouts of the model's mesh by the rules table, the expert-parallel kernel
         an MoE model's split experts need and the repeated K/V heads of fewer K/V heads than tensor ranks (as the
         trainer installs them); on one GPU, the Pallas kernels for attention's output projection of a few rows
-        (`layers.gemv`) and its attention over the cache at one row (`layers.flash_decode`): custom calls, which XLA
+        (`layers.gemv`) and its attention over the cache (`layers.flash_decode`): custom calls, which XLA
         cannot partition."""
         from mlm_jax.layers import flash_decode, gemv
         kernels, resolver = {}, contextlib.nullcontext()

@@ -1,8 +1,10 @@
-"""The few-row decode step kernel (`layers.flash_decode.step`), interpreted on CPU: equal to XLA's reference (the
-new query, key and value times a row scale, RoPE of the query and key by `rope.apply_rope`, `kv_cache.write`,
-`kv_cache.attend_cached`; fp32, 1e-5 of the output's scale) for full and grouped heads, spans of one or several
-blocks, spans with no written slot, a partly written last block, a full ring and the new slot in its middle; the
-caches it returns equal the written ones, every other slot untouched. Shapes it does not take go elsewhere."""
+"""The decode step kernel (`layers.flash_decode.step`), interpreted on CPU: equal to XLA's reference (the new query,
+key and value times a row scale, RoPE of the query and key by `rope.apply_rope`, `kv_cache.write`,
+`kv_cache.attend_cached`; fp32, 1e-5 of the output's scale) with its products on the CUDA cores and on the tensor
+cores, the new values as three arrays and as one fused product, for full and grouped heads, spans of one or several
+blocks (partials combined, or one span a row and head that writes the output itself), spans with no written slot,
+a partly written last block, a full ring and the new slot in its middle; the caches it returns equal the written
+ones, every other slot untouched. Shapes it does not take go elsewhere."""
 import math
 
 import jax
@@ -14,15 +16,18 @@ from mlm_jax.layers import flash_decode, kv_cache
 from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
 
 
-@pytest.mark.parametrize("programs", [flash_decode.PROGRAMS, 4])  # one block a program; spans of several
+@pytest.mark.parametrize("fused", [False, True])  # q, k and v apart, or one [B, 1, K, G + 2, H] product
+@pytest.mark.parametrize("mma_rows", [1, 1000])  # products on the tensor cores, or on the CUDA cores
+@pytest.mark.parametrize("programs", [512, 4])  # one block a program, spans of several; one span a row and head
 @pytest.mark.parametrize("B, N, K, H, C, positions", [
-    (1, 4, 4, 16, 128, [0]),  # one written slot: every span but the first empty
+    (1, 4, 4, 32, 128, [0]),  # one written slot: every span but the first empty
     (3, 8, 2, 32, 256, [5, 100, 300]),  # GQA (4 queries a K/V head); the last row's ring full (position >= C)
     (2, 4, 1, 64, 64, [63, 17]),  # MQA; a block size of 32 with G * H = 256
+    (2, 16, 1, 32, 128, [40, 127]),  # as many queries a K/V head as a tensor-core product has rows
 ])
-def test_equals_the_reference(B, N, K, H, C, positions, programs, monkeypatch):
+def test_equals_the_reference(B, N, K, H, C, positions, programs, mma_rows, fused, monkeypatch):
     monkeypatch.setattr(flash_decode, "PROGRAMS", programs)
-    monkeypatch.setattr(flash_decode, "MAX_ROWS", 4)  # the kernel computes any rows; generation gives it one
+    monkeypatch.setattr(flash_decode, "MMA_ROWS", mma_rows)
     keys = jax.random.split(jax.random.key(B), 6)
     q_BTNH = jax.random.normal(keys[0], (B, 1, N, H))
     k_BTKH, v_BTKH = (jax.random.normal(key, (B, 1, K, H)) for key in keys[1:3])
@@ -37,15 +42,18 @@ def test_equals_the_reference(B, N, K, H, C, positions, programs, monkeypatch):
     want_v = kv_cache.write(v_BCKH, v_BTKH_, positions_BT)
     q_scaled = apply_rope(q_BTNH_, positions_BT, rope) * (scale * math.sqrt(H))  # the reference divides by sqrt(H)
     want = kv_cache.attend_cached(q_scaled, want_k, want_v, positions_BT, None, "xla")
+    new = (q_BTNH, k_BTKH, v_BTKH)
+    if fused:
+        new = jnp.concatenate([q_BTNH.reshape(B, 1, K, N // K, H), k_BTKH[:, :, :, None], v_BTKH[:, :, :, None]], 3)
     got, got_k, got_v = jax.jit(lambda *a: flash_decode.step(*a, scale=scale, interpret=True))(
-        q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), k_BCKH, v_BCKH, positions_BT, row_scale_BT)
+        new, *tables(positions_BT, rope), k_BCKH, v_BCKH, positions_BT, row_scale_BT)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     np.testing.assert_allclose(got_k, want_k, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(got_v, want_v)
 
 
 @pytest.mark.parametrize("q_shape, k_shape, rotary_dim", [
-    ((2, 1, 4, 16), (2, 128, 4, 16), 16),  # more rows than MAX_ROWS
+    ((2, 1, 4, 16), (2, 128, 4, 16), 16),  # rows for the tensor cores, whose products need a head dim of 32
     ((1, 2, 4, 16), (1, 128, 4, 16), 16),  # two queries a row (a prefill)
     ((1, 1, 6, 16), (1, 128, 2, 16), 16),  # three queries a K/V head
     ((1, 1, 4, 24), (1, 128, 4, 24), 24),  # head dim not a power of two

@@ -129,7 +129,6 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
     Llama, whose folded norm's row scale goes into that kernel)."""
     calls, matmul = [], gemv.matmul
     monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
-    monkeypatch.setattr(flash_decode, "MAX_ROWS", 3)  # the three prompts in one call
     attends = []
     kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True),
                ax.CACHED_ATTENTION: lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True)}

@@ -121,7 +121,7 @@ class Attention(nnx.Module):
     def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
                row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """New positions `positions_BT`: written to the cache, then attending over it (`row_scale` as in
-        `prefill`). A single row's new position goes to the kernel installed as `axes.CACHED_ATTENTION`
+        `prefill`). One new position a row goes to the kernel installed as `axes.CACHED_ATTENTION`
         (`layers.flash_decode.step`: rotation, cache writes and attention in one) where it takes the shapes."""
         window = self.c.window if local else None
         rope = self.rope(local)
@@ -132,11 +132,13 @@ class Attention(nnx.Module):
                 and flash_decode.supports(q_shape, cache["k"].shape, rope.rotary_dim)):
             # the row scale, where it is the products' last step, goes with them into the kernel
             inside = row_scale is not None and not (self.c.qk_norm or self.c.qkv_bias)
-            q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, None if inside else row_scale)
+            if inside and hasattr(self, "qkv"):  # the fused product as it is, which the kernel reads in place
+                new = self.qkv(x_BTD)
+            else:
+                new = self.products(x_BTD, None if inside else row_scale)
             scale = self.c.scale if self.c.scale is not None else 1 / math.sqrt(self.c.head_dim)
-            out_BTNH, k_BCKH, v_BCKH = one_row(q_BTNH, k_BTKH, v_BTKH, *tables(positions_BT, rope), cache["k"],
-                                               cache["v"], positions_BT, row_scale[..., 0] if inside else None,
-                                               scale=scale)
+            out_BTNH, k_BCKH, v_BCKH = one_row(new, *tables(positions_BT, rope), cache["k"], cache["v"],
+                                               positions_BT, row_scale[..., 0] if inside else None, scale=scale)
             return self.out(out_BTNH), self._laid_out({"k": k_BCKH, "v": v_BCKH})
         q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, row_scale)
         q_BTNH, k_BTKH = self.rotated(q_BTNH, k_BTKH, positions_BT, local)
