@@ -16,7 +16,8 @@ from mlm_jax.layers import flash_decode, kv_cache
 from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
 
 
-@pytest.mark.parametrize("fused", [False, True])  # q, k and v apart, or one [B, 1, K, G + 2, H] product
+# q, k and v apart, or one [B, 1, K, G + 2, H] product (with a row scale or none: a block whose norms are not folded)
+@pytest.mark.parametrize("form", ["apart", "fused", "fused unscaled"])
 @pytest.mark.parametrize("mma_rows", [1, 1000])  # products on the tensor cores, or on the CUDA cores
 @pytest.mark.parametrize("programs", [512, 4])  # one block a program, spans of several; one span a row and head
 @pytest.mark.parametrize("B, N, K, H, C, positions", [
@@ -25,7 +26,7 @@ from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
     (2, 4, 1, 64, 64, [63, 17]),  # MQA; a block size of 32 with G * H = 256
     (2, 16, 1, 32, 128, [40, 127]),  # as many queries a K/V head as a tensor-core product has rows
 ])
-def test_equals_the_reference(B, N, K, H, C, positions, programs, mma_rows, fused, monkeypatch):
+def test_equals_the_reference(B, N, K, H, C, positions, programs, mma_rows, form, monkeypatch):
     monkeypatch.setattr(flash_decode, "PROGRAMS", programs)
     monkeypatch.setattr(flash_decode, "MMA_ROWS", mma_rows)
     keys = jax.random.split(jax.random.key(B), 6)
@@ -33,17 +34,20 @@ def test_equals_the_reference(B, N, K, H, C, positions, programs, mma_rows, fuse
     k_BTKH, v_BTKH = (jax.random.normal(key, (B, 1, K, H)) for key in keys[1:3])
     k_BCKH, v_BCKH = (jax.random.normal(key, (B, C, K, H)) for key in keys[3:5])
     row_scale_BT = jax.random.uniform(keys[5], (B, 1), minval=0.5, maxval=2.0)  # a folded norm's 1 / rms
+    if form == "fused unscaled":
+        row_scale_BT = None
     positions_BT = jnp.asarray(positions, jnp.int32)[:, None]
     rope = RopeConfig(theta=100.0, rotary_dim=H)
     scale = 0.3
     assert flash_decode.supports(q_BTNH.shape, k_BCKH.shape, H)
-    q_BTNH_, k_BTKH_, v_BTKH_ = (x * row_scale_BT[..., None, None] for x in (q_BTNH, k_BTKH, v_BTKH))
+    q_BTNH_, k_BTKH_, v_BTKH_ = ((q_BTNH, k_BTKH, v_BTKH) if row_scale_BT is None else
+                                 (x * row_scale_BT[..., None, None] for x in (q_BTNH, k_BTKH, v_BTKH)))
     want_k = kv_cache.write(k_BCKH, apply_rope(k_BTKH_, positions_BT, rope), positions_BT)
     want_v = kv_cache.write(v_BCKH, v_BTKH_, positions_BT)
     q_scaled = apply_rope(q_BTNH_, positions_BT, rope) * (scale * math.sqrt(H))  # the reference divides by sqrt(H)
     want = kv_cache.attend_cached(q_scaled, want_k, want_v, positions_BT, None, "xla")
     new = (q_BTNH, k_BTKH, v_BTKH)
-    if fused:
+    if form != "apart":
         new = jnp.concatenate([q_BTNH.reshape(B, 1, K, N // K, H), k_BTKH[:, :, :, None], v_BTKH[:, :, :, None]], 3)
     got, got_k, got_v = jax.jit(lambda *a: flash_decode.step(*a, scale=scale, interpret=True))(
         new, *tables(positions_BT, rope), k_BCKH, v_BCKH, positions_BT, row_scale_BT)

@@ -131,8 +131,9 @@ class Attention(nnx.Module):
         if (one_row is not None and kv.sees_every_slot(C, window)
                 and flash_decode.supports(q_shape, cache["k"].shape, rope.rotary_dim)):
             # the row scale, where it is the products' last step, goes with them into the kernel
-            inside = row_scale is not None and not (self.c.qk_norm or self.c.qkv_bias)
-            if inside and hasattr(self, "qkv"):  # the fused product as it is, which the kernel reads in place
+            plain = not (self.c.qk_norm or self.c.qkv_bias)
+            inside = row_scale is not None and plain
+            if plain and hasattr(self, "qkv"):  # the fused product as it is, which the kernel reads in place
                 new = self.qkv(x_BTD)
             else:
                 new = self.products(x_BTD, None if inside else row_scale)
