@@ -139,7 +139,7 @@ def _span(*refs, G, new, mma, block, per_span, scale):
     start = s * per_span * block
     steps = jnp.clip((written - start + block - 1) // block, 0, per_span)  # blocks holding written slots
     M = max(G, MMA_M) if mma else G
-    if mma:  # the queries repeated to M rows (row r holds query r // (M / G)), as bf16 operands of the products
+    if mma:  # the queries repeated to M rows (row r holds query r // (M / G)), in the cache's dtype for the products
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         q1_MR, q2_MR = (jnp.broadcast_to(x[:, None], (G, M // G, R)).reshape(M, R).astype(dtype)
                         for x in (q1_GR, q2_GR))
