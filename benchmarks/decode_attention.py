@@ -11,6 +11,7 @@ path attends through XLA's products and the kernel runs interpreted.
 """
 import argparse
 import contextlib
+import functools
 import itertools
 import math
 import time
@@ -86,6 +87,10 @@ def time_us(attend, B, L, N, K, H, C, written, rope) -> tuple[float, jax.Array]:
     return best * 1e6 / REPEATS / L, first
 
 
+def _rate(cache_bytes: int, us: float) -> str:
+    return f"{us:8.1f} us {cache_bytes / us / 1e6:5.2f} TB/s"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/llama-1b.yaml")
@@ -99,12 +104,12 @@ def main() -> None:
     N, K, H, L = m.num_heads, m.kv_heads, m.dim_per_head, m.num_layers
     rope = RopeConfig(theta=m.rope_theta, rotary_dim=H)
     gpu = jax.devices()[0].platform == "gpu"
-    shape = dict(L=L, N=N, K=K, H=H, C=args.cache, written=args.written, rope=rope)
+    shape = {"L": L, "N": N, "K": K, "H": H, "C": args.cache, "written": args.written, "rope": rope}
     print(f"{jax.devices()[0].device_kind}: {L} layers, {N} heads, {K} K/V heads of {H}, cache {args.cache} slots, "
           f"{args.written} written; us a layer")
     for B in sorted(args.batches, reverse=True):
         cache_bytes = B * args.written * K * H * 2 * 2
-        rate = lambda us: f"{us:8.1f} us {cache_bytes / us / 1e6:5.2f} TB/s"  # noqa: E731
+        rate = functools.partial(_rate, cache_bytes)
         xla_us, want = time_us(xla_path(N, K, H, rope, "cudnn" if gpu else "xla"), B, **shape)
         print(f"batch {B:3d} ({cache_bytes / 1e6:.1f} MB of cache a layer): XLA path{'':22}{rate(xla_us)}")
         for name, rows in (("kernel, tensor-core products", 1), ("kernel, CUDA-core products", B + 1)):
