@@ -41,9 +41,8 @@ def supports(q_shape: tuple[int, ...], cache_shape: tuple[int, ...], rotary_dim:
     B, T, N, H = q_shape
     C, K = cache_shape[1:3]
     G = N // K
-    mma = B >= MMA_ROWS
-    return (T == 1 and _pow2(G) and H >= (32 if mma else 2) and _pow2(H) and rotary_dim == H
-            and C % (MMA_BLOCK if mma else _block(G, H)) == 0)
+    mma, block = _plan(B, G, H)
+    return T == 1 and _pow2(G) and H >= (32 if mma else 2) and _pow2(H) and rotary_dim == H and C % block == 0
 
 
 def step(new, cos_BTR: jax.Array, sin_BTR: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array,
@@ -67,8 +66,7 @@ def step(new, cos_BTR: jax.Array, sin_BTR: jax.Array, k_BCKH: jax.Array, v_BCKH:
         G = J - 2
         inputs = (new[:, 0],)
     C, dtype = k_BCKH.shape[1], inputs[0].dtype
-    mma = B >= MMA_ROWS
-    block = MMA_BLOCK if mma else _block(G, H)
+    mma, block = _plan(B, G, H)
     blocks = C // block
     per_span = min(blocks, max(1, blocks * B * K // PROGRAMS))  # blocks a program walks
     while blocks % per_span:
@@ -139,6 +137,7 @@ def _span(*refs, G, new, mma, block, per_span, scale):
     start = s * per_span * block
     steps = jnp.clip((written - start + block - 1) // block, 0, per_span)  # blocks holding written slots
     M = max(G, MMA_M) if mma else G
+    operands = dtype if mma else jnp.float32  # the loaded keys and values: the cache's dtype for the tensor cores
     if mma:  # the queries repeated to M rows (row r holds query r // (M / G)), in the cache's dtype for the products
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         q1_MR, q2_MR = (jnp.broadcast_to(x[:, None], (G, M // G, R)).reshape(M, R).astype(dtype)
@@ -152,15 +151,11 @@ def _span(*refs, G, new, mma, block, per_span, scale):
         slots = pl.ds(first, block)
         index_L1 = first + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
         fresh_L1 = index_L1 == slot  # the new position's slot: its key and value are the new ones
+        k1_LR, k2_LR, v_LH = (jnp.where(fresh_L1, x[None].astype(operands), ref[b, slots, k, part].astype(operands))
+                              for x, ref, part in ((k1_R, k_ref, lo), (k2_R, k_ref, hi), (v_H, v_ref, slice(None))))
         if mma:
-            k1_LR = jnp.where(fresh_L1, k1_R[None].astype(dtype), k_ref[b, slots, k, lo])
-            k2_LR = jnp.where(fresh_L1, k2_R[None].astype(dtype), k_ref[b, slots, k, hi])
-            v_LH = jnp.where(fresh_L1, v_H[None].astype(dtype), v_ref[b, slots, k, :])
             s_ML = (_dot(q1_MR, k1_LR, 1, precision) + _dot(q2_MR, k2_LR, 1, precision)) * scale
         else:  # products on the CUDA cores
-            k1_LR = jnp.where(fresh_L1, k1_R[None], k_ref[b, slots, k, lo].astype(jnp.float32))
-            k2_LR = jnp.where(fresh_L1, k2_R[None], k_ref[b, slots, k, hi].astype(jnp.float32))
-            v_LH = jnp.where(fresh_L1, v_H[None], v_ref[b, slots, k, :].astype(jnp.float32))
             s_ML = (q1_GR[:, None, :] * k1_LR[None]).sum(-1) + (q2_GR[:, None, :] * k2_LR[None]).sum(-1)
         s_ML = jnp.where(index_L1[:, 0][None] < written, s_ML, -jnp.inf)
         m_new_M = jnp.maximum(m_M, s_ML.max(-1))
@@ -193,6 +188,12 @@ def _span(*refs, G, new, mma, block, per_span, scale):
 def _span_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
     """Program (b, k, s)'s block of a [B, K, spans, *shape] output."""
     return pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, *shape), lambda b, k, s: (b, k, s, *(0,) * len(shape)))
+
+
+def _plan(B: int, G: int, H: int) -> tuple[bool, int]:
+    """(products on the tensor cores, slots a step reads) for B rows of G queries a K/V head."""
+    mma = B >= MMA_ROWS
+    return mma, MMA_BLOCK if mma else _block(G, H)
 
 
 def _dot(a: jax.Array, b: jax.Array, b_contracting: int, precision) -> jax.Array:
