@@ -1,7 +1,8 @@
 """The few-row product kernel of decode steps (`layers.gemv`), interpreted on CPU: equal to XLA's einsum (fp32,
 1e-5 of the result's scale) on both of its paths (summed on the CUDA cores up to 4 rows, tensor-core tiles from 5,
 padded), with one or several partial products over the contracted dims and several steps in each; shapes it does
-not take go to XLA's einsum."""
+not take go to XLA's einsum. The residual add of decode steps (`add_residual`) equals XLA's sum, add and RMSNorm
+factor."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,3 +37,30 @@ def test_other_shapes_go_to_xla(equation, x_shape, kernel_shape, monkeypatch):
     x, kernel = jnp.ones(x_shape), jnp.ones(kernel_shape)
     np.testing.assert_array_equal(gemv.einsum(equation, x, kernel, interpret=True), jnp.einsum(equation, x, kernel))
 
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("splits, D", [(3, 96), (1, 64), (2, 24)])  # 3 blocks of 32 columns; one; no block: XLA
+def test_residual_add_equals_xla(dtype, splits, D, monkeypatch):
+    monkeypatch.setattr(gemv, "ROW_BLOCK", 32)
+    kx, kp = jax.random.split(jax.random.key(D))
+    x = jax.random.normal(kx, (3, 1, D)).astype(dtype)
+    partials = jax.random.normal(kp, (splits, 3, 1, D), jnp.float32)
+    partials = partials if splits > 1 else partials.astype(dtype)  # XLA's product: one partial in x's dtype
+    got, got_r = gemv.add_residual(x, partials, 1e-6, interpret=True)
+    want = x + partials.astype(jnp.float32).sum(0).astype(dtype)
+    want32 = want.astype(jnp.float32)
+    want_r = jax.lax.rsqrt(jnp.mean(want32 * want32, -1, keepdims=True) + 1e-6)
+    assert got.dtype == dtype and got_r.shape == (3, 1, 1)
+    np.testing.assert_allclose(got.astype(jnp.float32), want32, rtol=0, atol=1e-6 if dtype == jnp.float32 else 0)
+    np.testing.assert_allclose(got_r, want_r, rtol=1e-6)
+
+
+def test_partials_sum_to_the_product():
+    x, kernel = jax.random.normal(jax.random.key(1), (3, 1, 4, 16)), jax.random.normal(jax.random.key(2), (4, 16, 96))
+    partials = gemv.einsum("bsnh,nhd->bsd", x, kernel, config=(16, 32, 2), summed=False, interpret=True)
+    assert partials.shape == (2, 3, 1, 96) and partials.dtype == jnp.float32
+    want = jnp.einsum("bsnh,nhd->bsd", x, kernel, precision="highest")
+    np.testing.assert_allclose(partials.sum(0), want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    xla = gemv.einsum("bsd,df->bsf", x[..., 0, :], kernel[0], summed=False, interpret=True)  # one dim: XLA's
+    np.testing.assert_array_equal(xla, jnp.einsum("bsd,df->bsf", x[..., 0, :], kernel[0])[None])

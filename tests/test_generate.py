@@ -126,17 +126,21 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
     wrap). `few_rows`: the few-row Pallas kernels (interpreted) that generation installs on a GPU: the output
     projections of decode steps (latent attention's too), and the attention over the cache where it takes the
     shapes (Gemma 3's global layer: its local layers' 8-slot rings are shorter than a block; every layer of a plain
-    Llama, whose folded norm's row scale goes into that kernel)."""
+    Llama, whose folded norm's row scale goes into that kernel), and a Llama's residual adds with the next norm's
+    factor (`gemv.add_residual`)."""
     calls, matmul = [], gemv.matmul
     monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
-    attends = []
+    attends, residuals = [], []
     kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True),
-               ax.CACHED_ATTENTION: lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True)}
+               ax.CACHED_ATTENTION: lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True),
+               ax.RESIDUAL: lambda *a, **k: residuals.append(1) or gemv.add_residual(*a, **k, interpret=True)}
     with ax.kernels(**(kernels if few_rows else {})):
         _decode_steps_equal_the_whole_sequence(family)
     layers = load_config(None, DECODE_FAMILIES[family]).model.num_layers
-    assert len(calls) == (layers if few_rows else 0)  # each layer in the one trace of a decode step
+    # each layer in the one trace of a decode step: its output projection, and a Llama's fused q/k/v product
+    assert len(calls) == (layers * (2 if family == "llama" else 1) if few_rows else 0)
     assert len(attends) == {"gemma3": 1, "llama": layers}.get(family, 0) * few_rows
+    assert len(residuals) == {"llama": 2 * layers}.get(family, 0) * few_rows  # folded blocks with no post-norms
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama3-qwen3-window"])  # norm scales around 0 (offset 1) and 1

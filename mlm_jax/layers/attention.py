@@ -121,8 +121,15 @@ class Attention(nnx.Module):
     def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
                row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """New positions `positions_BT`: written to the cache, then attending over it (`row_scale` as in
-        `prefill`). One new position a row goes to the kernel installed as `axes.CACHED_ATTENTION`
-        (`layers.flash_decode.step`: rotation, cache writes and attention in one) where it takes the shapes."""
+        `prefill`); the output and the cache."""
+        out_BTNH, cache = self.decode_heads(x_BTD, positions_BT, local, cache, row_scale)
+        return self.out(out_BTNH), cache
+
+    def decode_heads(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
+                     row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """`decode` before the output projection: each head's output [B, T, N, H], and the cache. One new position
+        a row goes to the kernel installed as `axes.CACHED_ATTENTION` (`layers.flash_decode.step`: rotation, cache
+        writes and attention in one) where it takes the shapes."""
         window = self.c.window if local else None
         rope = self.rope(local)
         one_row = ax.kernel(ax.CACHED_ATTENTION)
@@ -133,14 +140,14 @@ class Attention(nnx.Module):
             # the row scale, where it is the products' last step, goes with them into the kernel
             plain = not (self.c.qk_norm or self.c.qkv_bias)
             inside = row_scale is not None and plain
-            if plain and hasattr(self, "qkv"):  # the fused product as it is, which the kernel reads in place
-                new = self.qkv(x_BTD)
+            if plain and hasattr(self, "qkv"):  # the fused product, which the kernel runs and sums itself
+                new = flash_decode.Product(x_BTD.astype(self.qkv.dtype), self.qkv.kernel[...].astype(self.qkv.dtype))
             else:
                 new = self.products(x_BTD, None if inside else row_scale)
             scale = self.c.scale if self.c.scale is not None else 1 / math.sqrt(self.c.head_dim)
             out_BTNH, k_BCKH, v_BCKH = one_row(new, *tables(positions_BT, rope), cache["k"], cache["v"],
                                                positions_BT, row_scale[..., 0] if inside else None, scale=scale)
-            return self.out(out_BTNH), self._laid_out({"k": k_BCKH, "v": v_BCKH})
+            return self.heads(out_BTNH), self._laid_out({"k": k_BCKH, "v": v_BCKH})
         q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, row_scale)
         q_BTNH, k_BTKH = self.rotated(q_BTNH, k_BTKH, positions_BT, local)
         cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
@@ -148,7 +155,7 @@ class Attention(nnx.Module):
         # partition under any layout
         impl = "xla" if ax.kernel(ax.ATTENTION) else kernel_for(self.c.impl, q_BTNH.dtype)
         out_BTNH = kv.attend_cached(q_BTNH, cache["k"], cache["v"], positions_BT, window, impl)
-        return self.out(out_BTNH), self._laid_out(cache)
+        return self.heads(out_BTNH), self._laid_out(cache)
 
     @staticmethod
     def _laid_out(cache: dict) -> dict:
@@ -205,7 +212,11 @@ class Attention(nnx.Module):
         del self.q, self.k, self.v
 
     def out(self, out_BSNH: jax.Array) -> jax.Array:
-        return self.o(ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))
+        return self.o(self.heads(out_BSNH))
+
+    @staticmethod
+    def heads(out_BSNH: jax.Array) -> jax.Array:
+        return ax.constrain(out_BSNH, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None))
 
     def rope(self, local: bool) -> RopeConfig:
         """The RoPE of a sliding-window layer (its own base, where it has one) or of a full one."""

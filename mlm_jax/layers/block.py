@@ -66,12 +66,29 @@ class Block(nnx.Module):
                                                                           **scaled(r)), self.foldable)
         return x_BPD, cache
 
-    def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict) -> tuple[jax.Array, dict]:
-        """The block at new positions, with its attention's cache (`Attention.decode`): its output and the cache.
-        Takes a block of `Transformer.layer_states` (norms folded, `fold_norms`)."""
-        x_BTD, _, cache = self.run(x_BTD, lambda h, r: self.attn.decode(h, positions_BT, local, cache, **scaled(r)),
-                                   self.foldable)
-        return x_BTD, cache
+    def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
+               row_scale_BT1: jax.Array | None = None) -> tuple[jax.Array, dict, jax.Array | None]:
+        """The block at new positions, with its attention's cache (`Attention.decode`): its output, the cache, and
+        the output's attention-norm factor where the kernel installed as `axes.RESIDUAL` made it, else None (the
+        next block's `row_scale_BT1`, its input's factor if known: a model's blocks share their norms' eps). Takes
+        a block of `Transformer.layer_states` (norms folded, `fold_norms`)."""
+        residual = ax.kernel(ax.RESIDUAL)
+        if residual is None or not self.foldable or hasattr(self, "attn_post_norm"):
+            x_BTD, _, cache = self.run(x_BTD, lambda h, r: self.attn.decode(h, positions_BT, local, cache,
+                                                                            **scaled(r)), self.foldable)
+            return x_BTD, cache, None
+        # each residual add and the next norm's factor in one kernel, which sums the product's partials itself
+        with jax.named_scope("attention"):
+            if row_scale_BT1 is None:
+                h_BTD, row_scale_BT1 = self.normed(self.attn_norm, x_BTD, True)
+            else:
+                h_BTD = ax.constrain(x_BTD.astype(self.attn_norm.dtype), GATHERED)
+            out_BTNH, cache = self.attn.decode_heads(h_BTD, positions_BT, local, cache, row_scale=row_scale_BT1)
+            x_BTD, row_scale_BT1 = residual(x_BTD, self.attn.o.partial_sums(out_BTNH), self.mlp_norm.eps)
+        with jax.named_scope("mlp"):
+            h_BTF = self.mlp.hidden(ax.constrain(x_BTD.astype(self.mlp_norm.dtype), GATHERED), row_scale_BT1)
+            x_BTD, row_scale_BT1 = residual(x_BTD, self.mlp.down.partial_sums(h_BTF), self.attn_norm.eps)
+        return x_BTD, cache, row_scale_BT1
 
     @property
     def foldable(self) -> bool:

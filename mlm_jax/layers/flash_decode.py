@@ -17,11 +17,14 @@ against 1.644 (its attention 44.3 us a layer against cuDNN's 44.2, two scatters 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from mlm_jax.layers import gemv
 
 PRODUCT = 8192  # elements of a block's [G, block, H] product, in the registers of one program
 MAX_BLOCK = 32  # slots a step reads at most
@@ -32,6 +35,16 @@ MMA_ROWS = 2  # from this many rows, products on the tensor cores (llama-1b's at
 MMA_M = 16  # the fewest rows of a tensor-core product
 MMA_BLOCK, MMA_WARPS, MMA_STAGES = 32, 4, 3  # llama-1b at 32 rows: 47.9 us a layer against 50.7 with 64-slot blocks
 NEG = -1e30  # the running max before any slot: finite, so a span with no written slot adds exp(NEG - max) = 0
+# (block_k, block_n, splits) of the fused q/k/v product run as the few-row kernel's partials (`Product`): llama-1b
+# at 32 rows 10.74 us alone against XLA's 10.97, whose own split sums then take a 2.2 us reduction a layer
+PRODUCT_BLOCKS = (32, 64, 4)
+
+
+class Product(NamedTuple):
+    """The fused q/k/v product's input and weight ([B, T, D], [D, K, G + 2, H], `Attention.fuse_projections`), for
+    `step` to run as the few-row kernel's partial products (`layers.gemv`), which its programs sum themselves."""
+    x_BTD: jax.Array
+    w_DKJH: jax.Array
 
 
 def supports(q_shape: tuple[int, ...], cache_shape: tuple[int, ...], rotary_dim: int) -> bool:
@@ -49,23 +62,24 @@ def step(new, cos_BTR: jax.Array, sin_BTR: jax.Array, k_BCKH: jax.Array, v_BCKH:
          positions_BT: jax.Array, row_scale_BT: jax.Array | None = None, *, scale: float,
          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One new position a row: the query, key and value (`new`: a tuple (q_BTNH, k_BTKH, v_BTKH), or one array
-    [B, 1, K, G + 2, H], each K/V head's G queries, its key, its value: `Attention`'s fused product, read in place)
-    times `row_scale_BT` (fp32, each rounded to its dtype after, as `Linear` does: a folded norm's 1 / rms), the
-    query and key rotated by their RoPE tables (`rope.tables`, R = H / 2), the key and value written into slot
+    [B, 1, K, G + 2, H], each K/V head's G queries, its key, its value: `Attention`'s fused product, read in place,
+    or a `Product` to run first) times `row_scale_BT` (fp32, each rounded to its dtype after, as `Linear` does: a
+    folded norm's 1 / rms), the query and key rotated by their RoPE tables (`rope.tables`, R = H / 2), the key and value written into slot
     `position mod C` of the cache, the query attending over the written slots (all of which it sees: a full cache,
     or a ring no longer than the window), scores times `scale`; K/V heads may be fewer than query heads (GQA).
     Returns (out_BTNH, k_BCKH, v_BCKH), the caches updated in place. Needs `supports`."""
-    if isinstance(new, tuple):
+    if isinstance(new, tuple) and not isinstance(new, Product):
         q_BTNH, k_BTKH, v_BTKH = new
         B, _, N, H = q_BTNH.shape
         K = k_BTKH.shape[2]
         G = N // K
         inputs = (q_BTNH.reshape(B, K, G, H), k_BTKH[:, 0], v_BTKH[:, 0])
-    else:
-        B, _, K, J, H = new.shape
+    else:  # partial products [S, B, 1, K, G + 2, H], summed by the kernel
+        partials = _partials(new, interpret) if isinstance(new, Product) else new[None]
+        _, B, _, K, J, H = partials.shape
         G = J - 2
-        inputs = (new[:, 0],)
-    C, dtype = k_BCKH.shape[1], inputs[0].dtype
+        inputs = (partials[:, :, 0],)
+    C, dtype = k_BCKH.shape[1], k_BCKH.dtype
     mma, block = _plan(B, G, H)
     blocks = C // block
     per_span = min(blocks, max(1, blocks * B * K // PROGRAMS))  # blocks a program walks
@@ -114,24 +128,25 @@ def _span(*refs, G, new, mma, block, per_span, scale):
     H = k_ref.shape[-1]
     R = H // 2
     lo, hi = pl.ds(0, R), pl.ds(R, R)
-    if new == 1:  # one [B, K, G + 2, H] product
+    dtype = k_ref.dtype  # the model's, of the products too
+    rounded = lambda x, dtype: x.astype(dtype).astype(jnp.float32)  # noqa: E731
+    if new == 1:  # [S, B, K, G + 2, H] partial products: their fp32 sum rounded, as the summed product
         y_ref = refs[3]
-        q_half, k_half = (lambda h: y_ref[b, k, pl.ds(0, G), h]), (lambda h: y_ref[b, k, G, h])
-        v_new, new_dtype = y_ref[b, k, G + 1, :], y_ref.dtype
+        summed = lambda *at: rounded(sum(y_ref[(s, b, k, *at)].astype(jnp.float32)  # noqa: E731
+                                         for s in range(y_ref.shape[0])), dtype)
+        q_half, k_half, v_new = (lambda h: summed(pl.ds(0, G), h)), (lambda h: summed(G, h)), summed(G + 1, slice(None))
     else:
         q_ref, k_new_ref, v_new_ref = refs[3:6]
         q_half, k_half = (lambda h: q_ref[b, k, :, h]), (lambda h: k_new_ref[b, k, h])
-        v_new, new_dtype = v_new_ref[b, k, :], q_ref.dtype
-    dtype = k_ref.dtype
+        v_new = v_new_ref[b, k, :]
     written, slot = written_ref[b], slot_ref[b]
     cos_R, sin_R, row_scale = cos_ref[b, :], sin_ref[b, :], row_scale_ref[b]
-    rounded = lambda x, dtype: x.astype(dtype).astype(jnp.float32)  # noqa: E731
-    scaled = lambda x: rounded(x.astype(jnp.float32) * row_scale, x.dtype)  # noqa: E731  (as `Linear`)
+    scaled = lambda x: rounded(x.astype(jnp.float32) * row_scale, dtype)  # noqa: E731  (as `Linear`)
 
     def rotated(x1, x2, dtype):  # as `rope.apply_rope`: in fp32, rounded to the model's dtype
         return rounded(x1 * cos_R - x2 * sin_R, dtype), rounded(x2 * cos_R + x1 * sin_R, dtype)
 
-    q1_GR, q2_GR = rotated(scaled(q_half(lo)), scaled(q_half(hi)), new_dtype)
+    q1_GR, q2_GR = rotated(scaled(q_half(lo)), scaled(q_half(hi)), dtype)
     k1_R, k2_R = rotated(scaled(k_half(lo)), scaled(k_half(hi)), dtype)
     v_H = rounded(scaled(v_new), dtype)
     start = s * per_span * block
@@ -183,6 +198,21 @@ def _span(*refs, G, new, mma, block, per_span, scale):
         k_out_ref[b, slot, k, lo] = k1_R.astype(k_out_ref.dtype)
         k_out_ref[b, slot, k, hi] = k2_R.astype(k_out_ref.dtype)
         v_out_ref[b, slot, k, :] = v_H.astype(v_out_ref.dtype)
+
+
+def _partials(product: Product, interpret: bool) -> jax.Array:
+    """The fused q/k/v product as [S, B, T, K, G + 2, H] partials: the few-row kernel's in PRODUCT_BLOCKS where they
+    divide the shapes, else XLA's product as the one partial."""
+    x_BTD, w_DKJH = product
+    (B, T, D), N = x_BTD.shape, w_DKJH[0].size
+    if PRODUCT_BLOCKS is None or B * T > gemv.MAX_ROWS:
+        return jnp.einsum("btd,dkjh->btkjh", x_BTD, w_DKJH)[None]
+    block_k, block_n, splits = PRODUCT_BLOCKS
+    if D % (block_k * splits) or N % block_n:
+        return jnp.einsum("btd,dkjh->btkjh", x_BTD, w_DKJH)[None]
+    y_SMN = gemv.matmul(x_BTD.reshape(B * T, D), w_DKJH.reshape(D, N), block_k=block_k, block_n=block_n,
+                        splits=splits, num_stages=4, summed=False, interpret=interpret)
+    return y_SMN.reshape(splits, B, T, *w_DKJH.shape[1:])
 
 
 def _span_spec(shape: tuple[int, ...]) -> pl.BlockSpec:

@@ -6,7 +6,11 @@ side has one row, and the reduction over a weight's leading dims reads it at a f
 for the attention's output projection on an H200). Here each program multiplies the rows by one column block of the
 weight over one slice of the contracted dim, walking the slice in pipelined steps (on the tensor cores from 5 rows
 on, padded to their tile height), and writes an fp32 partial product; the partials over the slices are summed
-outside, where XLA fuses the sum into whatever consumes the product.
+outside: by XLA, which fuses the sum into whatever consumes the product, or by a consumer that takes them as they are
+(`add_residual`, `layers.flash_decode.step`).
+
+`add_residual` is a decode step's residual add and the next RMSNorm's row factor in one kernel, where XLA runs a
+fusion for the add (with the partials' sum), one for the reduction and one for the rsqrt.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 
 MAX_ROWS = 64  # more rows: XLA's GEMMs are faster
 ROW_TILE = 16  # the tensor cores' tile height; from 5 to 15 rows are padded to it (the weight's bytes set the time)
+ROW_BLOCK = 2048  # columns `add_residual` sums at once
 SUM_ROWS = 4  # up to this many rows (rounded up to a power of two), multiplied and summed on the CUDA cores
 # (block_k, block_n, programs) up to SUM_ROWS rows and beyond (None: one step a program), measured on an H200
 # (llama-1b's output projection: 3.9 us at one row, 6.9 at 32)
@@ -27,27 +32,36 @@ FEW, MANY = (32, 128, 1024), (256, 128, None)
 
 
 def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int, int, int] | None = None,
-           interpret: bool = False) -> jax.Array:
+           summed: bool = True, interpret: bool = False) -> jax.Array:
     """`jnp.einsum(equation, x, kernel)`, through `matmul` where the equation contracts x's trailing dims with the
     kernel's leading ones (every `layers.linear.Linear`'s does), x has at most MAX_ROWS rows of 16-bit floats (or
     `interpret`, which runs any dtype on any device) and blocks of at least 16 divide the weight; otherwise XLA's
     einsum. Without a `config` ((block_k, block_n, splits)), a product over one contracted dim stays with XLA:
     alone the kernel is faster at one row (llama-1b's down projection 6.7 against 15.8 us), but in a decode step
-    it was not (gate and up 8.4 against 7.5 us each, the output head ten times slower: RESULTS.md)."""
+    it was not (gate and up 8.4 against 7.5 us each, the output head ten times slower: RESULTS.md).
+
+    `summed=False`: the partial products over slices of the contracted dims, [S, *product's shape], whose fp32 sum
+    rounded to x's dtype is the product, for a consumer that sums them itself (`add_residual`); where XLA takes the
+    product, it is the one partial."""
     c = _contracted(equation)
+
+    def xla():
+        y = jnp.einsum(equation, x, kernel)
+        return y if summed else y[None]
+
     if c is None or not (interpret or x.dtype in (jnp.bfloat16, jnp.float16)):
-        return jnp.einsum(equation, x, kernel)
+        return xla()
     lead, out_dims = x.shape[:x.ndim - c], kernel.shape[c:]
     M, K, N = math.prod(lead), math.prod(x.shape[x.ndim - c:]), math.prod(out_dims)
     if config is None and c == 1:
-        return jnp.einsum(equation, x, kernel)
+        return xla()
     config = config or blocks_for(M, K, N)
     if M > MAX_ROWS or config is None:
-        return jnp.einsum(equation, x, kernel)
+        return xla()
     block_k, block_n, splits = config
-    y_MN = matmul(x.reshape(M, K), kernel.reshape(K, N), block_k=block_k, block_n=block_n, splits=splits,
-                  interpret=interpret)
-    return y_MN.reshape(*lead, *out_dims)
+    y = matmul(x.reshape(M, K), kernel.reshape(K, N), block_k=block_k, block_n=block_n, splits=splits,
+               summed=summed, interpret=interpret)
+    return y.reshape(*y.shape[:-2], *lead, *out_dims)
 
 
 def blocks_for(M: int, K: int, N: int) -> tuple[int, int, int] | None:
@@ -66,10 +80,11 @@ def blocks_for(M: int, K: int, N: int) -> tuple[int, int, int] | None:
 
 
 def matmul(x_MK: jax.Array, w_KN: jax.Array, *, block_k: int, block_n: int, splits: int, num_warps: int = 4,
-           num_stages: int = 3, interpret: bool = False) -> jax.Array:
-    """x @ w in x's dtype, fp32 accumulation, as `splits` fp32 partial products over slices of K summed outside;
-    each program walks its slice in `block_k` steps (pipelined loads) for one `block_n` column block. Blocks are
-    powers of two; `block_n` divides N and `splits * block_k` divides K."""
+           num_stages: int = 3, summed: bool = True, interpret: bool = False) -> jax.Array:
+    """x @ w in x's dtype, fp32 accumulation, as `splits` fp32 partial products over slices of K summed outside
+    (`summed=False`: the partials themselves, [splits, M, N]); each program walks its slice in `block_k` steps
+    (pipelined loads) for one `block_n` column block. Blocks are powers of two; `block_n` divides N and
+    `splits * block_k` divides K."""
     M, K = x_MK.shape
     N = w_KN.shape[1]
     rows = pl.next_power_of_2(M)
@@ -85,7 +100,7 @@ def matmul(x_MK: jax.Array, w_KN: jax.Array, *, block_k: int, block_n: int, spli
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(x_RK, w_KN)
-    return partial_SRN[:, :M].sum(0).astype(x_MK.dtype)
+    return partial_SRN[:, :M].sum(0).astype(x_MK.dtype) if summed else partial_SRN[:, :M]
 
 
 def _split_product(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
@@ -103,6 +118,50 @@ def _split_product(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
     shape = (rows, block_k, block_n) if rows <= SUM_ROWS else (rows, block_n)
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
     out_ref[...] = acc.sum(1) if rows <= SUM_ROWS else acc
+
+
+def add_residual(x_BTD: jax.Array, partials_SBTD: jax.Array, eps: float, *,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(x + y, the RMSNorm factor of x + y: 1 / sqrt(mean((x + y)^2) + eps), fp32, [B, T, 1]), where y is the
+    product whose partials (`einsum(..., summed=False)`) are `partials_SBTD`: their fp32 sum rounded to x's
+    dtype, added in fp32 and rounded again, as XLA adds the summed product. One program a row, which walks the row
+    in blocks of up to ROW_BLOCK columns; a model dim with no power-of-two block of at least 16 goes to XLA."""
+    *lead, D = x_BTD.shape
+    M, S = math.prod(lead), partials_SBTD.shape[0]
+    block = _block(D, ROW_BLOCK)
+    if block is None:
+        y = partials_SBTD.astype(jnp.float32).sum(0).astype(x_BTD.dtype)
+        x_BTD = x_BTD + y
+        x32 = x_BTD.astype(jnp.float32)
+        return x_BTD, jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)
+    out_MD, r_M = pl.pallas_call(
+        functools.partial(_residual, block=block, eps=eps),
+        out_shape=[jax.ShapeDtypeStruct((M, D), x_BTD.dtype), jax.ShapeDtypeStruct((M,), jnp.float32)],
+        grid=(M,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
+        out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+    )(x_BTD.reshape(M, D), partials_SBTD.reshape(S, M, D))
+    return out_MD.reshape(x_BTD.shape), r_M.reshape(*lead, 1)
+
+
+def _residual(x_ref, p_ref, out_ref, r_ref, *, block, eps):
+    m = pl.program_id(0)
+    S, _, D = p_ref.shape
+    dtype = out_ref.dtype
+
+    def columns(c, squares):
+        cols = pl.ds(pl.multiple_of(c * block, block), block)
+        y = jax.lax.fori_loop(0, S, lambda s, acc: acc + p_ref[s, m, cols].astype(jnp.float32),
+                              jnp.zeros((block,), jnp.float32))
+        x = (x_ref[m, cols].astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
+        out_ref[m, cols] = x
+        x32 = x.astype(jnp.float32)
+        return squares + jnp.sum(x32 * x32)
+
+    squares = jax.lax.fori_loop(0, D // block, columns, jnp.float32(0))
+    r_ref[m] = jax.lax.rsqrt(squares / D + eps)
 
 
 @functools.cache

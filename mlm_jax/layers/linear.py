@@ -73,6 +73,17 @@ class Linear(nnx.Module):
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
 
 
+    def partial_sums(self, x: jax.Array) -> jax.Array:
+        """`self(x)` as partial products over slices of the contracted dims, [S, *output's shape], whose fp32 sum
+        rounded to `dtype` is `self(x)`, for a consumer that sums them itself (`axes.RESIDUAL`): from the kernel
+        installed as `axes.FEW_ROWS` (fp32 partials) where the layer multiplies through it, else `self(x)` as the
+        one partial."""
+        few = ax.kernel(ax.FEW_ROWS)
+        if few is None or self.precision != "bf16" or hasattr(self, "bias") or ax.kernel(ax.MASTER_EINSUM):
+            return self(x)[None]
+        return few(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype), summed=False)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def master_einsum(equation: str, x: jax.Array, master: jax.Array) -> jax.Array:
     """`einsum(equation, x, master.astype(x.dtype))` whose weight gradient is an fp32 product, returned in the

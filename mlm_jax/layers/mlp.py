@@ -22,6 +22,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, row_scale_BS1: jax.Array | None = None) -> jax.Array:
         """`row_scale_BS1`: the input norm's per-row factor, its gain folded into `up` and `gate`."""
+        return self.down(self.hidden(x_BSD, row_scale_BS1))
+
+    def hidden(self, x_BSD: jax.Array, row_scale_BS1: jax.Array | None = None) -> jax.Array:
+        """The input of `down`: the activation of the up (and gate) product."""
         if hasattr(self, "gate_up"):
             scale = None if row_scale_BS1 is None else row_scale_BS1[..., None]
             y_BS2F = self.gate_up(x_BSD, row_scale=scale)
@@ -35,8 +39,7 @@ class MLP(nnx.Module):
             h_BSF = jax.nn.gelu(g_BSF, approximate=True) * h_BSF
         else:
             h_BSF = jax.nn.gelu(h_BSF)
-        h_BSF = ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))
-        return self.down(h_BSF)
+        return ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))
 
     def fuse_projections(self) -> None:
         """A gated MLP's gate and up as one product `gate_up` over a [D, 2, F] kernel (a split over F keeps each

@@ -301,9 +301,9 @@ class Transformer(nnx.Module):
     def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: list[dict],
                layers: list | None = None) -> tuple[jax.Array, list]:
         """New tokens at `positions_BT` (each row's next positions) -> (their logits, the cache with them)."""
-        x_BTD, out = self.embed(tokens_BT), []
+        x_BTD, out, row_scale_BT1 = self.embed(tokens_BT), [], None
         for (block, local), layer_cache in zip(self._blocks(layers), cache, strict=True):
-            x_BTD, layer_cache = block.decode(x_BTD, positions_BT, local, layer_cache)
+            x_BTD, layer_cache, row_scale_BT1 = block.decode(x_BTD, positions_BT, local, layer_cache, row_scale_BT1)
             out.append(layer_cache)
         return self.logits(x_BTD), out
 
