@@ -127,10 +127,11 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
     projections of decode steps (latent attention's too), and the attention over the cache where it takes the
     shapes (Gemma 3's global layer: its local layers' 8-slot rings are shorter than a block; every layer of a plain
     Llama, whose folded norm's row scale goes into that kernel), and a Llama's residual adds with the next norm's
-    factor (`gemv.add_residual`) and its down projection with the SwiGLU made inside (`gemv.einsum`'s `gated`)."""
+    factor (`gemv.add_residual`), which sum the partial products of its output and down projections."""
     calls, matmul = [], gemv.matmul
     monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
-    monkeypatch.setattr(gemv, "GATED", (32, 64, 4))  # blocks that divide the llama's FFN of 384
+    monkeypatch.setattr(gemv, "SPLIT", (32, 64, 4))  # blocks that divide the llama's FFN of 384 and model dim of 128
+    monkeypatch.setattr(flash_decode, "PRODUCT_BLOCKS", (32, 64, 4))
     attends, residuals = [], []
     kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True),
                ax.CACHED_ATTENTION: lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True),
@@ -139,7 +140,7 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
         _decode_steps_equal_the_whole_sequence(family)
     layers = load_config(None, DECODE_FAMILIES[family]).model.num_layers
     # each layer in the one trace of a decode step: its output projection, and a Llama's fused q/k/v product and
-    # down projection (its SwiGLU inside)
+    # down projection (partials for the residual add)
     assert len(calls) == (layers * (3 if family == "llama" else 1) if few_rows else 0)
     assert len(attends) == {"gemma3": 1, "llama": layers}.get(family, 0) * few_rows
     assert len(residuals) == {"llama": 2 * layers}.get(family, 0) * few_rows  # folded blocks with no post-norms

@@ -86,8 +86,8 @@ class Block(nnx.Module):
             out_BTNH, cache = self.attn.decode_heads(h_BTD, positions_BT, local, cache, row_scale=row_scale_BT1)
             x_BTD, row_scale_BT1 = residual(x_BTD, self.attn.o.partial_sums(out_BTNH), self.mlp_norm.eps)
         with jax.named_scope("mlp"):
-            h_BTD = ax.constrain(x_BTD.astype(self.mlp_norm.dtype), GATHERED)
-            x_BTD, row_scale_BT1 = residual(x_BTD, self.mlp.partial_sums(h_BTD, row_scale_BT1), self.attn_norm.eps)
+            h_BTF = self.mlp.hidden(ax.constrain(x_BTD.astype(self.mlp_norm.dtype), GATHERED), row_scale_BT1)
+            x_BTD, row_scale_BT1 = residual(x_BTD, self.mlp.down.partial_sums(h_BTF), self.attn_norm.eps)
         return x_BTD, cache, row_scale_BT1
 
     @property

@@ -24,17 +24,17 @@ from jax.experimental.pallas import triton as pltriton
 
 MAX_ROWS = 64  # more rows: XLA's GEMMs are faster
 ROW_TILE = 16  # the tensor cores' tile height; from 5 to 15 rows are padded to it (the weight's bytes set the time)
-ROW_BLOCK, RESIDUAL_TILE, RESIDUAL_WARPS = 2048, 8192, 8  # `add_residual`'s columns at once, partials' elements at
-# once, warps (llama-1b at 32 rows: its output projection's 8 partials one at a time took 4.3 us a layer)
+RESIDUAL_BLOCK, RESIDUAL_WARPS = 256, 4  # `add_residual`'s columns a program, its warps (one program a row
+# walking it took 4.3 us a layer for llama-1b's output projection at 32 rows: 8 partials of 2048 columns)
 SUM_ROWS = 4  # up to this many rows (rounded up to a power of two), multiplied and summed on the CUDA cores
 # (block_k, block_n, programs) up to SUM_ROWS rows and beyond (None: one step a program), measured on an H200
 # (llama-1b's output projection: 3.9 us at one row, 6.9 at 32)
 FEW, MANY = (32, 128, 1024), (256, 128, None)
-GATED = (32, 64, 8)  # (block_k, block_n, splits) of a product whose input is a gated activation (`einsum`'s `gated`)
+SPLIT = (32, 64, 8)  # (block_k, block_n, splits) of a product over one contracted dim summed by its consumer
 
 
 def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int, int, int] | None = None,
-           summed: bool = True, gated: tuple[str, jax.Array] | None = None, interpret: bool = False) -> jax.Array:
+           summed: bool = True, interpret: bool = False) -> jax.Array:
     """`jnp.einsum(equation, x, kernel)`, through `matmul` where the equation contracts x's trailing dims with the
     kernel's leading ones (every `layers.linear.Linear`'s does), x has at most MAX_ROWS rows of 16-bit floats (or
     `interpret`, which runs any dtype on any device) and blocks of at least 16 divide the weight; otherwise XLA's
@@ -43,25 +43,9 @@ def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int,
     it was not (gate and up 8.4 against 7.5 us each, the output head ten times slower: RESULTS.md).
 
     `summed=False`: the partial products over slices of the contracted dims, [S, *product's shape], whose fp32 sum
-    rounded to x's dtype is the product, for a consumer that sums them itself (`add_residual`); where XLA takes the
-    product, it is the one partial.
-
-    `gated=(activation, row_scale)`: x holds a gated MLP's gate and up products, [..., 2, F]
-    (`MLP.fuse_projections`), and the product's input is activation(gate * row_scale) * (up * row_scale), each
-    rounded to x's dtype (`MLP.hidden`), made as the kernel loads it, in GATED blocks (no fusion of XLA's for
-    it); where those blocks do not divide the shapes, by XLA before its product."""
-    if gated is not None:
-        activation, row_scale = gated
-        lead, (F,), N = x.shape[:-2], x.shape[-1:], math.prod(kernel.shape[1:])
-        block_k, block_n, splits = GATED
-        if (_contracted(equation) != 1 or math.prod(lead) > MAX_ROWS or F % (block_k * splits) or N % block_n
-                or not (interpret or x.dtype in (jnp.bfloat16, jnp.float16))):
-            x_BSF = activated(x[..., 0, :], x[..., 1, :], row_scale, activation)
-            return einsum(equation, x_BSF, kernel, config=config, summed=summed, interpret=interpret)
-        M = math.prod(lead)
-        y = matmul(x.reshape(M, 2, F), kernel.reshape(F, N), block_k=block_k, block_n=block_n, splits=splits,
-                   summed=summed, gated=(activation, row_scale.reshape(M)), interpret=interpret)
-        return y.reshape(*y.shape[:-2], *lead, *kernel.shape[1:])
+    rounded to x's dtype is the product, for a consumer that sums them itself (`add_residual`). A product over one
+    contracted dim then goes to the kernel in SPLIT blocks where they divide it (XLA would split it too, and sum
+    in a reduction of its own); where XLA takes the product, it is the one partial."""
     c = _contracted(equation)
 
     def xla():
@@ -73,7 +57,9 @@ def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int,
     lead, out_dims = x.shape[:x.ndim - c], kernel.shape[c:]
     M, K, N = math.prod(lead), math.prod(x.shape[x.ndim - c:]), math.prod(out_dims)
     if config is None and c == 1:
-        return xla()
+        if summed or SPLIT is None or K % (SPLIT[0] * SPLIT[2]) or N % SPLIT[1]:
+            return xla()
+        config = SPLIT
     config = config or blocks_for(M, K, N)
     if M > MAX_ROWS or config is None:
         return xla()
@@ -81,18 +67,6 @@ def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int,
     y = matmul(x.reshape(M, K), kernel.reshape(K, N), block_k=block_k, block_n=block_n, splits=splits,
                summed=summed, interpret=interpret)
     return y.reshape(*y.shape[:-2], *lead, *out_dims)
-
-
-def activated(gate: jax.Array, up: jax.Array, row_scale: jax.Array, activation: str) -> jax.Array:
-    """activation(gate * row_scale) * (up * row_scale) in fp32, each product rounded to gate's dtype first, the
-    result in it: `einsum`'s gated input (SwiGLU's SiLU, GeGLU's tanh GELU)."""
-    dtype = gate.dtype
-    g, u = ((v.astype(jnp.float32) * row_scale).astype(dtype).astype(jnp.float32) for v in (gate, up))
-    if activation == "swiglu":
-        a = g / (1 + jnp.exp(-g))
-    else:
-        a = 0.5 * g * (1 + jnp.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g * g * g)))
-    return (a * u).astype(dtype)
 
 
 def blocks_for(M: int, K: int, N: int) -> tuple[int, int, int] | None:
@@ -111,52 +85,37 @@ def blocks_for(M: int, K: int, N: int) -> tuple[int, int, int] | None:
 
 
 def matmul(x_MK: jax.Array, w_KN: jax.Array, *, block_k: int, block_n: int, splits: int, num_warps: int = 4,
-           num_stages: int = 3, summed: bool = True, gated: tuple[str, jax.Array] | None = None,
-           interpret: bool = False) -> jax.Array:
+           num_stages: int = 3, summed: bool = True, interpret: bool = False) -> jax.Array:
     """x @ w in x's dtype, fp32 accumulation, as `splits` fp32 partial products over slices of K summed outside
     (`summed=False`: the partials themselves, [splits, M, N]); each program walks its slice in `block_k` steps
     (pipelined loads) for one `block_n` column block. Blocks are powers of two; `block_n` divides N and
-    `splits * block_k` divides K. `gated=(activation, row_scale_M)`: x is [M, 2, K], gate and up, and the product's
-    input their `activated`."""
-    M, K = x_MK.shape[0], x_MK.shape[-1]
+    `splits * block_k` divides K."""
+    M, K = x_MK.shape
     N = w_KN.shape[1]
     rows = pl.next_power_of_2(M)
     rows = rows if rows <= SUM_ROWS else max(rows, ROW_TILE)
-    pad = ((0, rows - M),)
-    operands = [jnp.pad(x_MK.astype(w_KN.dtype), pad + ((0, 0),) * (x_MK.ndim - 1)), w_KN]
-    if gated is not None:
-        operands.append(jnp.pad(gated[1].astype(jnp.float32), pad))
+    x_RK = jnp.pad(x_MK.astype(w_KN.dtype), ((0, rows - M), (0, 0)))
     steps = K // (splits * block_k)
     partial_SRN = pl.pallas_call(
-        functools.partial(_split_product, block_k=block_k, block_n=block_n, steps=steps,
-                          activation=None if gated is None else gated[0]),
+        functools.partial(_split_product, block_k=block_k, block_n=block_n, steps=steps),
         out_shape=jax.ShapeDtypeStruct((splits, rows, N), jnp.float32),
         grid=(N // block_n, splits),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((pl.squeezed, rows, block_n), lambda n, s: (s, 0, n)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-    )(*operands)
+    )(x_RK, w_KN)
     return partial_SRN[:, :M].sum(0).astype(x_MK.dtype) if summed else partial_SRN[:, :M]
 
 
-def _split_product(x_ref, w_ref, *refs, block_k, block_n, steps, activation):
-    """Program (n, s): column block n over the s-th slice of K. `activation`: x is gate and up (`matmul`'s
-    `gated`), `refs` the row scale and the output."""
-    out_ref = refs[-1]
+def _split_product(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
     n, s = pl.program_id(0), pl.program_id(1)
     rows = out_ref.shape[0]
     columns = pl.ds(pl.multiple_of(n * block_n, block_n), block_n)
-    if activation is not None:
-        row_scale_R1 = refs[0][...][:, None]
 
     def step(i, acc):
         k = pl.ds(pl.multiple_of((s * steps + i) * block_k, block_k), block_k)
-        if activation is None:
-            x_RK = x_ref[:, k]
-        else:
-            x_RK = activated(x_ref[:, 0, k], x_ref[:, 1, k], row_scale_R1, activation)
-        w_KN = w_ref[k, columns]
+        x_RK, w_KN = x_ref[:, k], w_ref[k, columns]
         if rows <= SUM_ROWS:  # elementwise into a [rows, block_k, block_n] accumulator, summed once at the end
             return acc + x_RK[:, :, None].astype(jnp.float32) * w_KN[None].astype(jnp.float32)
         return acc + jnp.dot(x_RK, w_KN, preferred_element_type=jnp.float32)
@@ -170,49 +129,45 @@ def add_residual(x_BTD: jax.Array, partials_SBTD: jax.Array, eps: float, *,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(x + y, the RMSNorm factor of x + y: 1 / sqrt(mean((x + y)^2) + eps), fp32, [B, T, 1]), where y is the
     product whose partials (`einsum(..., summed=False)`) are `partials_SBTD`: their fp32 sum rounded to x's
-    dtype, added in fp32 and rounded again, as XLA adds the summed product. One program a row, which walks the row
-    in blocks of columns, loading a power-of-two count of partials at once (RESIDUAL_TILE elements); a model dim
+    dtype, added in fp32 and rounded again, as XLA adds the summed product. One program a row and block of up to
+    RESIDUAL_BLOCK columns, which loads the block of every partial at once where their count is a power of two and
+    writes its sum of squares; the factor from those sums is XLA's, in whatever fusion consumes it. A model dim
     with no power-of-two block of at least 16 goes to XLA."""
     *lead, D = x_BTD.shape
     M, S = math.prod(lead), partials_SBTD.shape[0]
-    at_once = S & (S - 1) == 0
-    block = _block(D, max(16, min(ROW_BLOCK, RESIDUAL_TILE // S)) if at_once else ROW_BLOCK)
+    block = _block(D, RESIDUAL_BLOCK)
     if block is None:
-        y = partials_SBTD.astype(jnp.float32).sum(0).astype(x_BTD.dtype)
-        x_BTD = x_BTD + y
+        x_BTD = x_BTD + partials_SBTD.astype(jnp.float32).sum(0).astype(x_BTD.dtype)
         x32 = x_BTD.astype(jnp.float32)
         return x_BTD, jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)
-    out_MD, r_M = pl.pallas_call(
-        functools.partial(_residual, block=block, at_once=at_once, eps=eps),
-        out_shape=[jax.ShapeDtypeStruct((M, D), x_BTD.dtype), jax.ShapeDtypeStruct((M,), jnp.float32)],
-        grid=(M,),
+    out_MD, squares_MC = pl.pallas_call(
+        functools.partial(_residual, block=block),
+        out_shape=[jax.ShapeDtypeStruct((M, D), x_BTD.dtype), jax.ShapeDtypeStruct((M, D // block), jnp.float32)],
+        grid=(M, D // block),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
         out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
-        compiler_params=pltriton.CompilerParams(num_warps=RESIDUAL_WARPS, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=RESIDUAL_WARPS, num_stages=1),
         interpret=interpret,
     )(x_BTD.reshape(M, D), partials_SBTD.reshape(S, M, D))
-    return out_MD.reshape(x_BTD.shape), r_M.reshape(*lead, 1)
+    factor_M1 = jax.lax.rsqrt(squares_MC.sum(-1, keepdims=True) / D + eps)
+    return out_MD.reshape(x_BTD.shape), factor_M1.reshape(*lead, 1)
 
 
-def _residual(x_ref, p_ref, out_ref, r_ref, *, block, at_once, eps):
-    m = pl.program_id(0)
-    S, _, D = p_ref.shape
+def _residual(x_ref, p_ref, out_ref, squares_ref, *, block):
+    """Program (m, c): row m, column block c."""
+    m, c = pl.program_id(0), pl.program_id(1)
+    S = p_ref.shape[0]
     dtype = out_ref.dtype
-
-    def columns(c, squares):
-        cols = pl.ds(pl.multiple_of(c * block, block), block)
-        if at_once:
-            y = p_ref[:, m, cols].astype(jnp.float32).sum(0)
-        else:
-            y = jax.lax.fori_loop(0, S, lambda s, acc: acc + p_ref[s, m, cols].astype(jnp.float32),
-                                  jnp.zeros((block,), jnp.float32))
-        x = (x_ref[m, cols].astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
-        out_ref[m, cols] = x
-        x32 = x.astype(jnp.float32)
-        return squares + jnp.sum(x32 * x32)
-
-    squares = jax.lax.fori_loop(0, D // block, columns, jnp.float32(0))
-    r_ref[m] = jax.lax.rsqrt(squares / D + eps)
+    cols = pl.ds(pl.multiple_of(c * block, block), block)
+    if S & (S - 1) == 0:
+        y = p_ref[:, m, cols].astype(jnp.float32).sum(0)
+    else:
+        y = jax.lax.fori_loop(0, S, lambda s, acc: acc + p_ref[s, m, cols].astype(jnp.float32),
+                              jnp.zeros((block,), jnp.float32))
+    x = (x_ref[m, cols].astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
+    out_ref[m, cols] = x
+    x32 = x.astype(jnp.float32)
+    squares_ref[m, c] = jnp.sum(x32 * x32)
 
 
 @functools.cache

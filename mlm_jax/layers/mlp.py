@@ -41,17 +41,6 @@ class MLP(nnx.Module):
             h_BSF = jax.nn.gelu(h_BSF)
         return ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))
 
-    def partial_sums(self, x_BSD: jax.Array, row_scale_BS1: jax.Array) -> jax.Array:
-        """`self(x_BSD, row_scale_BS1)` as partial sums (`Linear.partial_sums`). With a fused gate/up product and a
-        few-row kernel installed (`axes.FEW_ROWS`), the kernel makes the activation itself as it loads down's input
-        (its `gated`): no fusion of XLA's between the two products."""
-        few = ax.kernel(ax.FEW_ROWS)
-        if few is None or not hasattr(self, "gate_up"):
-            return self.down.partial_sums(self.hidden(x_BSD, row_scale_BS1))
-        y_BS2F = self.gate_up(x_BSD)
-        return few(self.down.equation, y_BS2F, self.down.kernel[...].astype(self.down.dtype), summed=False,
-                   gated=(self.activation, row_scale_BS1))
-
     def fuse_projections(self) -> None:
         """A gated MLP's gate and up as one product `gate_up` over a [D, 2, F] kernel (a split over F keeps each
         column's pair), the same function: a decode step reads both weights in one pass."""
