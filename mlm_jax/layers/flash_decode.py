@@ -10,9 +10,11 @@ as in cuDNN's flash kernel; where one span covers a row's cache, each program wr
 XLA combines the spans in the fusion that feeds the output projection. What XLA would run as kernels of their own
 happens inside: the folded norm's row scale of the new query, key and value, their RoPE, and both cache writes (the
 program whose span holds the new slot stores the new key and value, the caches aliased in place); a fused q/k/v
-product (`Attention.fuse_projections`) is read as it is, with no slices of it made first. llama-1b's decode step on
-an H200 (RESULTS.md): at one row 0.854 to 0.860 ms against 0.924 with cuDNN; at 32 rows 1.599 ms of kernel time
-against 1.644 (its attention 44.3 us a layer against cuDNN's 44.2, two scatters and a rotation fusion fewer).
+product (`Attention.fuse_projections`) is read as it is, with no slices of it made first, or as the few-row kernel's
+partial products (`Product`), which each program sums for its head (XLA's product would split its sum too, then
+reduce it in a fusion of its own). llama-1b's decode step on an H200 (RESULTS.md): at one row 0.854 to 0.860 ms
+against 0.924 with cuDNN; at 32 rows 1.599 ms of kernel time against 1.644 (its attention 44.3 us a layer against
+cuDNN's 44.2, two scatters and a rotation fusion fewer).
 """
 from __future__ import annotations
 

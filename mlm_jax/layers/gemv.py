@@ -9,8 +9,8 @@ on, padded to their tile height), and writes an fp32 partial product; the partia
 outside: by XLA, which fuses the sum into whatever consumes the product, or by a consumer that takes them as they are
 (`add_residual`, `layers.flash_decode.step`).
 
-`add_residual` is a decode step's residual add and the next RMSNorm's row factor in one kernel, where XLA runs a
-fusion for the add (with the partials' sum), one for the reduction and one for the rsqrt.
+`add_residual` is a decode step's residual add, with the sum of a product's partials, in one kernel that also leaves
+each block's sum of squares for the next RMSNorm's row factor (XLA's, fused into whatever consumes it).
 """
 from __future__ import annotations
 
