@@ -1,10 +1,10 @@
 """The decode step kernel (`layers.flash_decode.step`), interpreted on CPU: equal to XLA's reference (the new query,
 key and value times a row scale, RoPE of the query and key by `rope.apply_rope`, `kv_cache.write`,
 `kv_cache.attend_cached`; fp32, 1e-5 of the output's scale) with its products on the CUDA cores and on the tensor
-cores, the new values as three arrays, as one fused product and as that product's input and weight, for full and grouped heads, spans of one or several
-blocks (partials combined, or one span a row and head that writes the output itself), spans with no written slot,
-a partly written last block, a full ring and the new slot in its middle; the caches it returns equal the written
-ones, every other slot untouched. Shapes it does not take go elsewhere."""
+cores, the new values as three arrays, as one fused product and as that product's input and weight, for full and
+grouped heads, spans of one or several blocks (partials combined, or one span a row and head that writes the output
+itself), spans with no written slot, a partly written last block, a full ring and the new slot in its middle; the
+caches it returns equal the written ones, every other slot untouched. Shapes it does not take go elsewhere."""
 import math
 
 import jax

@@ -67,9 +67,10 @@ def step(new, cos_BTR: jax.Array, sin_BTR: jax.Array, k_BCKH: jax.Array, v_BCKH:
     """One new position a row: the query, key and value (`new`: a tuple (q_BTNH, k_BTKH, v_BTKH), or one array
     [B, 1, K, G + 2, H], each K/V head's G queries, its key, its value: `Attention`'s fused product, read in place,
     or a `Product` to run first) times `row_scale_BT` (fp32, each rounded to its dtype after, as `Linear` does: a
-    folded norm's 1 / rms), the query and key rotated by their RoPE tables (`rope.tables`, R = H / 2), the key and value written into slot
-    `position mod C` of the cache, the query attending over the written slots (all of which it sees: a full cache,
-    or a ring no longer than the window), scores times `scale`; K/V heads may be fewer than query heads (GQA).
+    folded norm's 1 / rms), the query and key rotated by their RoPE tables (`rope.tables`, R = H / 2), the key and
+    value written into slot `position mod C` of the cache, the query attending over the written slots (all of which
+    it sees: a full cache, or a ring no longer than the window), scores times `scale`; K/V heads may be fewer than
+    query heads (GQA).
     Returns (out_BTNH, k_BCKH, v_BCKH), the caches updated in place. Needs `supports`."""
     if isinstance(new, tuple) and not isinstance(new, Product):
         q_BTNH, k_BTKH, v_BTKH = new
@@ -135,8 +136,10 @@ def _span(*refs, G, new, mma, block, per_span, scale):
     rounded = lambda x, dtype: x.astype(dtype).astype(jnp.float32)  # noqa: E731
     if new == 1:  # [S, B, K, G + 2, H] partial products: their fp32 sum rounded, as the summed product
         y_ref = refs[3]
-        summed = lambda *at: rounded(sum(y_ref[(s, b, k, *at)].astype(jnp.float32)  # noqa: E731
-                                         for s in range(y_ref.shape[0])), dtype)
+
+        def summed(*at):
+            return rounded(sum(y_ref[(s, b, k, *at)].astype(jnp.float32) for s in range(y_ref.shape[0])), dtype)
+
         q_half, k_half, v_new = (lambda h: summed(pl.ds(0, G), h)), (lambda h: summed(G, h)), summed(G + 1, slice(None))
     else:
         q_ref, k_new_ref, v_new_ref = refs[3:6]

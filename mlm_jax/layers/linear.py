@@ -72,7 +72,6 @@ class Linear(nnx.Module):
             y = (y.astype(jnp.float32) * row_scale).astype(self.dtype)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
 
-
     def partial_sums(self, x: jax.Array) -> jax.Array:
         """`self(x)` as partial products over slices of the contracted dims, [S, *output's shape], whose fp32 sum
         rounded to `dtype` is `self(x)`, for a consumer that sums them itself (`axes.RESIDUAL`): from the kernel
