@@ -137,7 +137,8 @@ class Run:
         kernels, resolver = {}, contextlib.nullcontext()
         if self.platform == "gpu" and (self.mesh is None or self.mesh.size == 1):
             kernels[ax.FEW_ROWS], kernels[ax.CACHED_ATTENTION] = gemv.einsum, flash_decode.step
-            if self.rows >= FUSE_ROWS:  # fewer rows: partials from more slices than one program a row sums fast
+            if self.rows >= FUSE_ROWS:  # fewer rows: the few-row products come in many more slices (`gemv.FEW`),
+                # which XLA sums inside the residual add's fusion
                 kernels[ax.RESIDUAL] = gemv.add_residual
         if self.mesh is not None:
             from mlm_jax.layers.attention import local_attention
