@@ -132,14 +132,15 @@ class Run:
         an MoE model's split experts need and the repeated K/V heads of fewer K/V heads than tensor ranks (as the
         trainer installs them); on one GPU, the Pallas kernels for attention's output projection of a few rows
         (`layers.gemv`), its attention over the cache (`layers.flash_decode`) and, from FUSE_ROWS rows, its
-        residual adds (`gemv.add_residual`): custom calls, which XLA cannot partition."""
+        residual adds (`gemv.add_residual`) and gated MLPs' gate/up products (`gemv.gated`): custom calls, which
+        XLA cannot partition."""
         from mlm_jax.layers import flash_decode, gemv
         kernels, resolver = {}, contextlib.nullcontext()
         if self.platform == "gpu" and (self.mesh is None or self.mesh.size == 1):
             kernels[ax.FEW_ROWS], kernels[ax.CACHED_ATTENTION] = gemv.einsum, flash_decode.step
             if self.rows >= FUSE_ROWS:  # fewer rows: the few-row products come in many more slices (`gemv.FEW`),
                 # which XLA sums inside the residual add's fusion
-                kernels[ax.RESIDUAL] = gemv.add_residual
+                kernels[ax.RESIDUAL], kernels[ax.GATED] = gemv.add_residual, gemv.gated
         if self.mesh is not None:
             from mlm_jax.layers.attention import local_attention
             from mlm_jax.parallel.expert import expert_parallel_ffn

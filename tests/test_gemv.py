@@ -2,13 +2,16 @@
 1e-5 of the result's scale) on both of its paths (summed on the CUDA cores up to 4 rows, tensor-core tiles from 5,
 padded), with one or several partial products over the contracted dims and several steps in each; shapes it does
 not take go to XLA's einsum. The residual add of decode steps (`add_residual`) equals XLA's sum, add and RMSNorm
-factor."""
+factor; a gated MLP's hidden rows from its fused gate/up product (`gated`) equal `MLP.hidden`'s."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from mlm_jax.layers import axes as ax
 from mlm_jax.layers import gemv
+from mlm_jax.layers.mlp import MLP
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 32])
@@ -49,6 +52,7 @@ def test_residual_add_equals_xla(dtype, splits, D, monkeypatch):
     partials = jax.random.normal(kp, (splits, 3, 1, D), jnp.float32)
     partials = partials if splits > 1 else partials.astype(dtype)  # XLA's product: one partial in x's dtype
     got, got_r = gemv.add_residual(x, partials, 1e-6, interpret=True)
+    got_r = gemv.factor(got_r)  # a kernel's sums of squares, or XLA's factor
     want = x + partials.astype(jnp.float32).sum(0).astype(dtype)
     want32 = want.astype(jnp.float32)
     want_r = jax.lax.rsqrt(jnp.mean(want32 * want32, -1, keepdims=True) + 1e-6)
@@ -72,3 +76,38 @@ def test_partials_sum_to_the_product(rows, equation, x_shape, kernel_shape, spli
     want = jnp.einsum(equation, x, kernel, precision="highest")
     assert got.shape == (partials[rows], *want.shape)
     np.testing.assert_allclose(got.sum(0), want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("rows", [3, 32])  # padded to a tensor-core tile, or not
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+# no row scale, an array of them, a residual kernel's sums of squares that the kernel finishes (a power of two of
+# them) or that XLA finishes first
+@pytest.mark.parametrize("scale", [None, "array", 4, 3])
+def test_gated_equals_the_mlp(rows, activation, scale, monkeypatch):
+    monkeypatch.setattr(gemv, "GATED", (16, 32, 4, 3))  # 4 steps a program, 3 column blocks
+    mlp = MLP(64, 96, activation=activation, std=0.2, out_std=0.2, dtype=jnp.float32, param_dtype=jnp.float32,
+              rngs=nnx.Rngs(rows))
+    mlp.fuse_projections()
+    kx, ks = jax.random.split(jax.random.key(rows))
+    x = jax.random.normal(kx, (rows, 1, 64))
+    row_scale = {None: None, "array": jax.random.uniform(ks, (rows, 1, 1), minval=0.5, maxval=2.0)}.get(scale)
+    if isinstance(scale, int):
+        row_scale = gemv.RowFactor(jax.random.uniform(ks, (rows, 1, scale), minval=8.0, maxval=64.0), 64, 1e-5)
+    want = mlp.hidden(x, gemv.factor(row_scale))
+    calls = []
+    with ax.kernels(**{ax.GATED: lambda *a: calls.append(1) or gemv.gated(*a, interpret=True)}):
+        got = mlp.hidden(x, row_scale)
+    assert calls and got.shape == want.shape == (rows, 1, 96)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, dtype, activation, interpret", [
+    ((65, 1, 64), (64, 2, 96), jnp.bfloat16, "swiglu", False),  # more rows than MAX_ROWS
+    ((4, 1, 64), (64, 2, 96), jnp.float32, "swiglu", False),  # fp32 on a GPU
+    ((4, 1, 64), (64, 2, 80), jnp.float32, "swiglu", True),  # no block of 32 divides the hidden dim
+    ((4, 1, 64), (64, 2, 96), jnp.float32, "gelu", True),  # not gated
+])
+def test_gated_leaves_other_shapes_to_xla(x_shape, w_shape, dtype, activation, interpret, monkeypatch):
+    monkeypatch.setattr(gemv, "GATED", (16, 32, 4, 3))
+    x, w = jnp.ones(x_shape, dtype), jnp.ones(w_shape, dtype)
+    assert gemv.gated(x, w, None, activation, interpret=interpret) is None

@@ -126,16 +126,19 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
     wrap). `few_rows`: the few-row Pallas kernels (interpreted) that generation installs on a GPU: the output
     projections of decode steps (latent attention's too), and the attention over the cache where it takes the
     shapes (Gemma 3's global layer: its local layers' 8-slot rings are shorter than a block; every layer of a plain
-    Llama, whose folded norm's row scale goes into that kernel), and a Llama's residual adds with the next norm's
-    factor (`gemv.add_residual`), which sum the partial products of its output and down projections."""
+    Llama, whose folded norm's row scale goes into that kernel), a Llama's residual adds with the next norm's
+    factor (`gemv.add_residual`), which sum the partial products of its output and down projections, and the
+    gated MLPs' fused gate/up products with their activation (`gemv.gated`), which finish that factor."""
     calls, matmul = [], gemv.matmul
     monkeypatch.setattr(gemv, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
     monkeypatch.setattr(gemv, "SPLIT", (32, 64, 4))  # blocks that divide the llama's FFN of 384 and model dim of 128
     monkeypatch.setattr(flash_decode, "PRODUCT_BLOCKS", (32, 64, 4))
-    attends, residuals = [], []
+    monkeypatch.setattr(gemv, "GATED", (32, 64, 4, 3))  # 4 steps a program, 6 column blocks
+    attends, residuals, gated = [], [], []
     kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True),
                ax.CACHED_ATTENTION: lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True),
-               ax.RESIDUAL: lambda *a, **k: residuals.append(1) or gemv.add_residual(*a, **k, interpret=True)}
+               ax.RESIDUAL: lambda *a, **k: residuals.append(1) or gemv.add_residual(*a, **k, interpret=True),
+               ax.GATED: lambda *a: _counted(gated, gemv.gated(*a, interpret=True))}
     with ax.kernels(**(kernels if few_rows else {})):
         _decode_steps_equal_the_whole_sequence(family)
     layers = load_config(None, DECODE_FAMILIES[family]).model.num_layers
@@ -144,6 +147,8 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
     assert len(calls) == (layers * (3 if family == "llama" else 1) if few_rows else 0)
     assert len(attends) == {"gemma3": 1, "llama": layers}.get(family, 0) * few_rows
     assert len(residuals) == {"llama": 2 * layers}.get(family, 0) * few_rows  # folded blocks with no post-norms
+    assert len(gated) == {"gemma3": layers, "llama": layers}.get(family, 0) * few_rows  # fused gate/up products
+    # (the prompts' 96 rows go to XLA)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama3-qwen3-window"])  # norm scales around 0 (offset 1) and 1
@@ -164,6 +169,13 @@ def test_folded_norms_leave_each_block_the_same_function(family):
     want, _ = plain(x_BSD, positions_BS, local)
     got, _ = folded(x_BSD, positions_BS, local)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def _counted(calls: list, out):
+    """`out`, counted in `calls` unless None (a kernel that left the product to XLA)."""
+    if out is not None:
+        calls.append(1)
+    return out
 
 
 def _decode_steps_equal_the_whole_sequence(family):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.layers import axes as ax
-from mlm_jax.layers import flash_decode
+from mlm_jax.layers import flash_decode, gemv
 from mlm_jax.layers import kv_cache as kv
 from mlm_jax.layers.linear import Linear
 from mlm_jax.layers.norm import Norm
@@ -126,10 +126,11 @@ class Attention(nnx.Module):
         return self.out(out_BTNH), cache
 
     def decode_heads(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
-                     row_scale: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                     row_scale: jax.Array | gemv.RowFactor | None = None) -> tuple[jax.Array, dict]:
         """`decode` before the output projection: each head's output [B, T, N, H], and the cache. One new position
         a row goes to the kernel installed as `axes.CACHED_ATTENTION` (`layers.flash_decode.step`: rotation, cache
-        writes and attention in one) where it takes the shapes."""
+        writes and attention in one) where it takes the shapes; `row_scale` may be a residual kernel's
+        `gemv.RowFactor`, which that kernel finishes."""
         window = self.c.window if local else None
         rope = self.rope(local)
         one_row = ax.kernel(ax.CACHED_ATTENTION)
@@ -143,12 +144,12 @@ class Attention(nnx.Module):
             if plain and hasattr(self, "qkv"):  # the fused product, which the kernel runs and sums itself
                 new = flash_decode.Product(x_BTD.astype(self.qkv.dtype), self.qkv.kernel[...].astype(self.qkv.dtype))
             else:
-                new = self.products(x_BTD, None if inside else row_scale)
+                new = self.products(x_BTD, None if inside else gemv.factor(row_scale))
             scale = self.c.scale if self.c.scale is not None else 1 / math.sqrt(self.c.head_dim)
             out_BTNH, k_BCKH, v_BCKH = one_row(new, *tables(positions_BT, rope), cache["k"], cache["v"],
-                                               positions_BT, row_scale[..., 0] if inside else None, scale=scale)
+                                               positions_BT, row_scale if inside else None, scale=scale)
             return self.heads(out_BTNH), self._laid_out({"k": k_BCKH, "v": v_BCKH})
-        q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, row_scale)
+        q_BTNH, k_BTKH, v_BTKH = self.products(x_BTD, gemv.factor(row_scale))
         q_BTNH, k_BTKH = self.rotated(q_BTNH, k_BTKH, positions_BT, local)
         cache = {"k": kv.write(cache["k"], k_BTKH, positions_BT), "v": kv.write(cache["v"], v_BTKH, positions_BT)}
         # a layout that replaces the attention kernel (`axes.ATTENTION`) attends through XLA's products, which

@@ -47,6 +47,7 @@ MASTER_EINSUM = "master_einsum"  # layers.linear.master_einsum's signature: Line
 FEW_ROWS = "few_rows"  # (equation, x, kernel) -> jnp.einsum(...): a bf16 `Linear`'s product (decode steps)
 CACHED_ATTENTION = "cached_attention"  # layers.flash_decode.step: a decode step's attention over the cache
 RESIDUAL = "residual"  # layers.gemv.add_residual: a decode step's residual add and the next RMSNorm's factor
+GATED = "gated"  # layers.gemv.gated: a gated MLP's fused gate/up product and activation (decode steps), or None
 
 Names = Sequence[str | None]
 _kernels: contextvars.ContextVar[dict[str, Callable]] = contextvars.ContextVar("mlm_jax_kernels", default={})

@@ -67,11 +67,11 @@ class Block(nnx.Module):
         return x_BPD, cache
 
     def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict,
-               row_scale_BT1: jax.Array | None = None) -> tuple[jax.Array, dict, jax.Array | None]:
+               row_scale_BT1=None) -> tuple[jax.Array, dict, object]:
         """The block at new positions, with its attention's cache (`Attention.decode`): its output, the cache, and
-        the output's attention-norm factor where the kernel installed as `axes.RESIDUAL` made it, else None (the
-        next block's `row_scale_BT1`, its input's factor if known: a model's blocks share their norms' eps). Takes
-        a block of `Transformer.layer_states` (norms folded, `fold_norms`)."""
+        the output's attention-norm factor where the kernel installed as `axes.RESIDUAL` made it (an array or a
+        `gemv.RowFactor`), else None (the next block's `row_scale_BT1`, its input's factor if known: a model's
+        blocks share their norms' eps). Takes a block of `Transformer.layer_states` (norms folded, `fold_norms`)."""
         residual = ax.kernel(ax.RESIDUAL)
         if residual is None or not self.foldable or hasattr(self, "attn_post_norm"):
             x_BTD, _, cache = self.run(x_BTD, lambda h, r: self.attn.decode(h, positions_BT, local, cache,

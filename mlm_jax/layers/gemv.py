@@ -10,10 +10,13 @@ outside: by XLA, which fuses the sum into whatever consumes the product, or by a
 (`add_residual`, `layers.flash_decode.step`).
 
 `add_residual` is a decode step's residual add, with the sum of a product's partials, in one kernel that also leaves
-each block's sum of squares for the next RMSNorm's row factor (XLA's, fused into whatever consumes it).
+each block's sum of squares for the next RMSNorm's row factor (`RowFactor`), which the kernels that consume it
+finish themselves: `gated` (a gated MLP's fused gate and up product with its activation) and
+`layers.flash_decode.step`. Every kernel XLA would launch between them costs a decode step 1 to 2 us.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -30,6 +33,8 @@ SUM_ROWS = 4  # up to this many rows (rounded up to a power of two), multiplied 
 # (block_k, block_n, programs) up to SUM_ROWS rows and beyond (None: one step a program), measured on an H200
 # (llama-1b's output projection: 3.9 us at one row, 6.9 at 32)
 FEW, MANY = (32, 128, 1024), (256, 128, None)
+GATED = (128, 32, 4, 4)  # `gated`'s (block_k, block_n, warps, stages)
+ACTIVATIONS = {"swiglu": jax.nn.silu, "geglu": functools.partial(jax.nn.gelu, approximate=True)}  # as `MLP`'s
 SPLIT = (32, 64, 16)  # (block_k, block_n, splits) of a product over one contracted dim summed by its consumer
 # (llama-1b's down projection at 32 rows: a decode step of 1.540 ms against 1.568 with 8 splits, 1.559 with XLA's)
 
@@ -68,6 +73,93 @@ def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int,
     y = matmul(x.reshape(M, K), kernel.reshape(K, N), block_k=block_k, block_n=block_n, splits=splits,
                summed=summed, interpret=interpret)
     return y.reshape(*y.shape[:-2], *lead, *out_dims)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["squares"], meta_fields=["dim", "eps"])
+@dataclasses.dataclass(frozen=True)
+class RowFactor:
+    """An RMSNorm's row factor as `add_residual` leaves it: each column block's sum of squares ([..., C], fp32) of
+    rows of `dim` columns. A kernel that takes it finishes it (`finish`); `factor` gives it to anything else."""
+    squares: jax.Array
+    dim: int
+    eps: float
+
+    def in_kernel(self) -> bool:
+        """Whether a kernel can load a row's sums at once (a power of two of them)."""
+        C = self.squares.shape[-1]
+        return C & (C - 1) == 0
+
+
+def factor(row_scale: jax.Array | RowFactor | None) -> jax.Array | None:
+    """A row factor [..., 1] (fp32): `row_scale` itself, or a `RowFactor` finished."""
+    if not isinstance(row_scale, RowFactor):
+        return row_scale
+    return finish(row_scale.squares, row_scale.dim, row_scale.eps, keepdims=True)
+
+
+def finish(squares: jax.Array, dim: int, eps: float, keepdims: bool = False) -> jax.Array:
+    """1 / sqrt(mean square + eps) from the sums of squares in the last dim (inside kernels too)."""
+    return jax.lax.rsqrt(jnp.sum(squares, -1, keepdims=keepdims) / dim + eps)
+
+
+def gated(x_BSD: jax.Array, w_D2F: jax.Array, row_scale: jax.Array | RowFactor | None, activation: str, *,
+          interpret: bool = False) -> jax.Array | None:
+    """A gated MLP's hidden rows, act(g) * u, from its fused gate/up kernel (`MLP.fuse_projections`): g and u the
+    products of x with w[:, 0] and w[:, 1], each rounded to x's dtype and times the row's factor (rounded again,
+    as `Linear` does), the activation (`ACTIVATIONS`) and product in fp32, rounded once. One program a column
+    block of both products walks the whole contracted dim in pipelined steps, so that the activation runs on its
+    sums and no XLA kernel stands between this product and the down projection's; a `RowFactor` is finished here.
+    None (the caller's XLA product) unless x has at most MAX_ROWS rows of 16-bit floats (or `interpret`: any
+    dtype), the activation is gated and GATED's blocks divide D and F."""
+    *lead, D = x_BSD.shape
+    F = w_D2F.shape[-1]
+    M = math.prod(lead)
+    if (GATED is None or M > MAX_ROWS or activation not in ACTIVATIONS or D % GATED[0] or F % GATED[1]
+            or not (interpret or x_BSD.dtype in (jnp.bfloat16, jnp.float16))):
+        return None
+    rows = max(pl.next_power_of_2(M), ROW_TILE)
+    block_k, block_n, warps, stages = GATED
+    x_RD = jnp.pad(x_BSD.reshape(M, D).astype(w_D2F.dtype), ((0, rows - M), (0, 0)))
+    dim = eps = None
+    if row_scale is None:
+        scale_R = jnp.ones((rows,), jnp.float32)
+    elif isinstance(row_scale, RowFactor) and row_scale.in_kernel():
+        dim, eps = row_scale.dim, row_scale.eps
+        squares_MC = row_scale.squares.reshape(M, -1).astype(jnp.float32)
+        scale_R = jnp.pad(squares_MC, ((0, rows - M), (0, 0)))
+    else:
+        scale_R = jnp.pad(factor(row_scale).reshape(M).astype(jnp.float32), (0, rows - M))
+    h_RF = pl.pallas_call(
+        functools.partial(_gated, block_k=block_k, block_n=block_n, steps=D // block_k, dim=dim, eps=eps,
+                          activation=ACTIVATIONS[activation]),
+        out_shape=jax.ShapeDtypeStruct((rows, F), x_BSD.dtype),
+        grid=(F // block_n,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,
+        out_specs=pl.BlockSpec((rows, block_n), lambda n: (0, n)),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+    )(x_RD, w_D2F, scale_R)
+    return h_RF[:M].reshape(*lead, F)
+
+
+def _gated(x_ref, w_ref, scale_ref, out_ref, *, block_k, block_n, steps, dim, eps, activation):
+    """Program n: column block n of the gate and up products; `dim` set: `scale_ref` holds sums of squares."""
+    columns = pl.ds(pl.multiple_of(pl.program_id(0) * block_n, block_n), block_n)
+    dtype = out_ref.dtype
+
+    def step(i, acc):
+        g_RN, u_RN = acc
+        k = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        x_RK = x_ref[:, k]
+        return (g_RN + jnp.dot(x_RK, w_ref[k, 0, columns], preferred_element_type=jnp.float32),
+                u_RN + jnp.dot(x_RK, w_ref[k, 1, columns], preferred_element_type=jnp.float32))
+
+    zeros = jnp.zeros(out_ref.shape, jnp.float32)
+    g_RN, u_RN = jax.lax.fori_loop(0, steps, step, (zeros, zeros))
+    scale_R1 = (finish(scale_ref[...], dim, eps) if dim is not None else scale_ref[...])[:, None]
+    rounded = lambda y: y.astype(dtype).astype(jnp.float32)
+    g_RN, u_RN = (rounded(rounded(y) * scale_R1) for y in (g_RN, u_RN))
+    out_ref[...] = (activation(g_RN) * u_RN).astype(dtype)
 
 
 def blocks_for(M: int, K: int, N: int) -> tuple[int, int, int] | None:
@@ -127,20 +219,20 @@ def _split_product(x_ref, w_ref, out_ref, *, block_k, block_n, steps):
 
 
 def add_residual(x_BTD: jax.Array, partials_SBTD: jax.Array, eps: float, *,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(x + y, the RMSNorm factor of x + y: 1 / sqrt(mean((x + y)^2) + eps), fp32, [B, T, 1]), where y is the
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array | RowFactor]:
+    """(x + y, the RMSNorm factor of x + y: 1 / sqrt(mean((x + y)^2) + eps), a `RowFactor`), where y is the
     product whose partials (`einsum(..., summed=False)`) are `partials_SBTD`: their fp32 sum rounded to x's
     dtype, added in fp32 and rounded again, as XLA adds the summed product. One program a row and block of up to
     RESIDUAL_BLOCK columns, which loads the block of every partial at once where their count is a power of two and
-    writes its sum of squares; the factor from those sums is XLA's, in whatever fusion consumes it. A model dim
-    with no power-of-two block of at least 16 goes to XLA."""
+    writes its sum of squares. A model dim with no power-of-two block of at least 16 goes to XLA, whose factor is
+    an array [B, T, 1]."""
     *lead, D = x_BTD.shape
     M, S = math.prod(lead), partials_SBTD.shape[0]
     block = _block(D, RESIDUAL_BLOCK)
     if block is None:
         x_BTD = x_BTD + partials_SBTD.astype(jnp.float32).sum(0).astype(x_BTD.dtype)
         x32 = x_BTD.astype(jnp.float32)
-        return x_BTD, jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)
+        return x_BTD, finish(x32 * x32, D, eps, keepdims=True)
     out_MD, squares_MC = pl.pallas_call(
         functools.partial(_residual, block=block),
         out_shape=[jax.ShapeDtypeStruct((M, D), x_BTD.dtype), jax.ShapeDtypeStruct((M, D // block), jnp.float32)],
@@ -150,8 +242,7 @@ def add_residual(x_BTD: jax.Array, partials_SBTD: jax.Array, eps: float, *,
         compiler_params=pltriton.CompilerParams(num_warps=RESIDUAL_WARPS, num_stages=1),
         interpret=interpret,
     )(x_BTD.reshape(M, D), partials_SBTD.reshape(S, M, D))
-    factor_M1 = jax.lax.rsqrt(squares_MC.sum(-1, keepdims=True) / D + eps)
-    return out_MD.reshape(x_BTD.shape), factor_M1.reshape(*lead, 1)
+    return out_MD.reshape(x_BTD.shape), RowFactor(squares_MC.reshape(*lead, D // block), D, eps)
 
 
 def _residual(x_ref, p_ref, out_ref, squares_ref, *, block):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.layers import axes as ax
+from mlm_jax.layers import gemv
 from mlm_jax.layers.linear import Linear
 
 
@@ -24,8 +25,17 @@ class MLP(nnx.Module):
         """`row_scale_BS1`: the input norm's per-row factor, its gain folded into `up` and `gate`."""
         return self.down(self.hidden(x_BSD, row_scale_BS1))
 
-    def hidden(self, x_BSD: jax.Array, row_scale_BS1: jax.Array | None = None) -> jax.Array:
-        """The input of `down`: the activation of the up (and gate) product."""
+    def hidden(self, x_BSD: jax.Array, row_scale_BS1: jax.Array | gemv.RowFactor | None = None) -> jax.Array:
+        """The input of `down`: the activation of the up (and gate) product. A fused gate/up product goes, with its
+        activation, to the kernel installed as `axes.GATED` (`layers.gemv.gated`, which finishes a residual
+        kernel's `gemv.RowFactor`) where it takes it."""
+        gated = ax.kernel(ax.GATED)
+        if gated is not None and hasattr(self, "gate_up"):
+            h_BSF = gated(x_BSD.astype(self.gate_up.dtype), self.gate_up.kernel[...].astype(self.gate_up.dtype),
+                          row_scale_BS1, self.activation)
+            if h_BSF is not None:
+                return ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))
+        row_scale_BS1 = gemv.factor(row_scale_BS1)
         if hasattr(self, "gate_up"):
             scale = None if row_scale_BS1 is None else row_scale_BS1[..., None]
             y_BS2F = self.gate_up(x_BSD, row_scale=scale)
