@@ -1,11 +1,10 @@
 """The decode step kernel (`layers.flash_decode.step`), interpreted on CPU: equal to XLA's reference (the new query,
 key and value times a row scale, RoPE of the query and key by `rope.apply_rope`, `kv_cache.write`,
 `kv_cache.attend_cached`; fp32, 1e-5 of the output's scale) with its products on the CUDA cores and on the tensor
-cores, the new values as three arrays, as one fused product (with a row scale, a residual kernel's sums of squares
-or neither) and as that product's input and weight, for full and grouped heads, spans of one or several blocks
-(partials combined, or one span a row and head that writes the output itself), spans with no written slot, a partly
-written last block, a full ring and the new slot in its middle; the caches it returns equal the written ones, every
-other slot untouched. Shapes it does not take go elsewhere."""
+cores, the new values as three arrays, as one fused product and as that product's input and weight, for full and
+grouped heads, spans of one or several blocks (partials combined, or one span a row and head that writes the output
+itself), spans with no written slot, a partly written last block, a full ring and the new slot in its middle; the
+caches it returns equal the written ones, every other slot untouched. Shapes it does not take go elsewhere."""
 import math
 
 import jax
@@ -13,14 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlm_jax.layers import flash_decode, gemv, kv_cache
+from mlm_jax.layers import flash_decode, kv_cache
 from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
 
 
-# q, k and v apart, or one [B, 1, K, G + 2, H] product (with a row scale, none: a block whose norms are not folded,
-# or a residual kernel's sums of squares that the kernel finishes), or that product's input and weight, which the
-# kernel multiplies as partial products over two slices of 32
-@pytest.mark.parametrize("form", ["apart", "fused", "fused unscaled", "fused squares", "product"])
+# q, k and v apart, or one [B, 1, K, G + 2, H] product (with a row scale or none: a block whose norms are not folded),
+# or that product's input and weight, which the kernel multiplies as partial products over two slices of 32
+@pytest.mark.parametrize("form", ["apart", "fused", "fused unscaled", "product"])
 @pytest.mark.parametrize("mma_rows", [1, 1000])  # products on the tensor cores, or on the CUDA cores
 @pytest.mark.parametrize("programs", [512, 4])  # one block a program, spans of several; one span a row and head
 @pytest.mark.parametrize("B, N, K, H, C, positions", [
@@ -41,17 +39,15 @@ def test_equals_the_reference(B, N, K, H, C, positions, programs, mma_rows, form
         y_BTKJH = jnp.einsum("btd,dkjh->btkjh", x_BTD, w_DKJH, precision="highest")
         q_BTNH, k_BTKH, v_BTKH = y_BTKJH[..., :-2, :].reshape(B, 1, N, H), y_BTKJH[..., -2, :], y_BTKJH[..., -1, :]
     k_BCKH, v_BCKH = (jax.random.normal(key, (B, C, K, H)) for key in keys[3:5])
-    row_scale = jax.random.uniform(keys[5], (B, 1, 1), minval=0.5, maxval=2.0)  # a folded norm's 1 / rms
+    row_scale_BT = jax.random.uniform(keys[5], (B, 1), minval=0.5, maxval=2.0)  # a folded norm's 1 / rms
     if form == "fused unscaled":
-        row_scale = None
-    elif form == "fused squares":  # sums of squares of 4 column blocks of rows of 512
-        row_scale = gemv.RowFactor(jax.random.uniform(keys[5], (B, 1, 4), minval=32.0, maxval=512.0), 512, 1e-5)
+        row_scale_BT = None
     positions_BT = jnp.asarray(positions, jnp.int32)[:, None]
     rope = RopeConfig(theta=100.0, rotary_dim=H)
     scale = 0.3
     assert flash_decode.supports(q_BTNH.shape, k_BCKH.shape, H)
-    q_BTNH_, k_BTKH_, v_BTKH_ = ((q_BTNH, k_BTKH, v_BTKH) if row_scale is None else
-                                 (x * gemv.factor(row_scale)[..., None] for x in (q_BTNH, k_BTKH, v_BTKH)))
+    q_BTNH_, k_BTKH_, v_BTKH_ = ((q_BTNH, k_BTKH, v_BTKH) if row_scale_BT is None else
+                                 (x * row_scale_BT[..., None, None] for x in (q_BTNH, k_BTKH, v_BTKH)))
     want_k = kv_cache.write(k_BCKH, apply_rope(k_BTKH_, positions_BT, rope), positions_BT)
     want_v = kv_cache.write(v_BCKH, v_BTKH_, positions_BT)
     q_scaled = apply_rope(q_BTNH_, positions_BT, rope) * (scale * math.sqrt(H))  # the reference divides by sqrt(H)
@@ -62,7 +58,7 @@ def test_equals_the_reference(B, N, K, H, C, positions, programs, mma_rows, form
     elif form == "product":
         new = flash_decode.Product(x_BTD, w_DKJH)
     got, got_k, got_v = jax.jit(lambda *a: flash_decode.step(*a, scale=scale, interpret=True))(
-        new, *tables(positions_BT, rope), k_BCKH, v_BCKH, positions_BT, row_scale)
+        new, *tables(positions_BT, rope), k_BCKH, v_BCKH, positions_BT, row_scale_BT)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     if form == "product":  # the kernel's sum of partials against XLA's product: fp32 rounding apart
         for got_c, want_c in ((got_k, want_k), (got_v, want_v)):

@@ -62,12 +62,12 @@ def supports(q_shape: tuple[int, ...], cache_shape: tuple[int, ...], rotary_dim:
 
 
 def step(new, cos_BTR: jax.Array, sin_BTR: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array,
-         positions_BT: jax.Array, row_scale: jax.Array | gemv.RowFactor | None = None, *, scale: float,
+         positions_BT: jax.Array, row_scale_BT: jax.Array | None = None, *, scale: float,
          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One new position a row: the query, key and value (`new`: a tuple (q_BTNH, k_BTKH, v_BTKH), or one array
     [B, 1, K, G + 2, H], each K/V head's G queries, its key, its value: `Attention`'s fused product, read in place,
-    or a `Product` to run first) times `row_scale` (fp32 [B, T, 1], each rounded to its dtype after, as `Linear`
-    does: a folded norm's 1 / rms; a `gemv.RowFactor` is finished in the kernel), the query and key rotated by their RoPE tables (`rope.tables`, R = H / 2), the key and
+    or a `Product` to run first) times `row_scale_BT` (fp32, each rounded to its dtype after, as `Linear` does: a
+    folded norm's 1 / rms), the query and key rotated by their RoPE tables (`rope.tables`, R = H / 2), the key and
     value written into slot `position mod C` of the cache, the query attending over the written slots (all of which
     it sees: a full cache, or a ring no longer than the window), scores times `scale`; K/V heads may be fewer than
     query heads (GQA).
@@ -92,13 +92,7 @@ def step(new, cos_BTR: jax.Array, sin_BTR: jax.Array, k_BCKH: jax.Array, v_BCKH:
     spans = blocks // per_span
     slot_B = jnp.mod(positions_BT[:, 0], C).astype(jnp.int32)
     written_B = jnp.minimum(positions_BT[:, 0] + 1, C).astype(jnp.int32)
-    norm = None  # (dim, eps) of the sums of squares a `RowFactor` holds
-    if isinstance(row_scale, gemv.RowFactor) and row_scale.in_kernel():
-        norm, row_scale_B = (row_scale.dim, row_scale.eps), row_scale.squares[:, 0].astype(jnp.float32)
-    elif row_scale is None:
-        row_scale_B = jnp.ones((B,), jnp.float32)
-    else:
-        row_scale_B = gemv.factor(row_scale)[:, 0, 0].astype(jnp.float32)
+    row_scale_B = jnp.ones((B,), jnp.float32) if row_scale_BT is None else row_scale_BT[:, 0].astype(jnp.float32)
     if spans == 1:  # the output itself
         out_shape = [jax.ShapeDtypeStruct((B, K, G, H), dtype)]
         out_specs = [pl.BlockSpec((pl.squeezed, pl.squeezed, G, H), lambda b, k, s: (b, k, 0, 0))]
@@ -108,8 +102,7 @@ def step(new, cos_BTR: jax.Array, sin_BTR: jax.Array, k_BCKH: jax.Array, v_BCKH:
     operands = (written_B, slot_B, row_scale_B, *inputs, cos_BTR[:, 0], sin_BTR[:, 0], k_BCKH, v_BCKH)
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     *out, k_BCKH, v_BCKH = pl.pallas_call(
-        functools.partial(_span, G=G, new=len(inputs), mma=mma, block=block, per_span=per_span, scale=scale,
-                          norm=norm),
+        functools.partial(_span, G=G, new=len(inputs), mma=mma, block=block, per_span=per_span, scale=scale),
         out_shape=[*out_shape, jax.ShapeDtypeStruct(k_BCKH.shape, k_BCKH.dtype),
                    jax.ShapeDtypeStruct(v_BCKH.shape, v_BCKH.dtype)],
         grid=(B, K, spans),
@@ -129,10 +122,9 @@ def step(new, cos_BTR: jax.Array, sin_BTR: jax.Array, k_BCKH: jax.Array, v_BCKH:
     return out_BKGH.reshape(B, 1, K * G, H).astype(dtype), k_BCKH, v_BCKH
 
 
-def _span(*refs, G, new, mma, block, per_span, scale, norm):
+def _span(*refs, G, new, mma, block, per_span, scale):
     """Program (b, k, s): row b, K/V head k, the s-th span of `per_span` blocks of slots. `new`: how many refs hold
-    the new query, key and value (one: the fused product); `norm`: the row scale's (dim, eps), its ref holding each
-    row's sums of squares."""
+    the new query, key and value (one: the fused product)."""
     written_ref, slot_ref, row_scale_ref = refs[:3]
     cos_ref, sin_ref, k_ref, v_ref = refs[3 + new:7 + new]
     out_refs, (k_out_ref, v_out_ref) = refs[7 + new:-2], refs[-2:]
@@ -154,8 +146,7 @@ def _span(*refs, G, new, mma, block, per_span, scale, norm):
         q_half, k_half = (lambda h: q_ref[b, k, :, h]), (lambda h: k_new_ref[b, k, h])
         v_new = v_new_ref[b, k, :]
     written, slot = written_ref[b], slot_ref[b]
-    cos_R, sin_R = cos_ref[b, :], sin_ref[b, :]
-    row_scale = row_scale_ref[b] if norm is None else gemv.finish(row_scale_ref[b, :], *norm)
+    cos_R, sin_R, row_scale = cos_ref[b, :], sin_ref[b, :], row_scale_ref[b]
     scaled = lambda x: rounded(x.astype(jnp.float32) * row_scale, dtype)  # noqa: E731  (as `Linear`)
 
     def rotated(x1, x2, dtype):  # as `rope.apply_rope`: in fp32, rounded to the model's dtype
