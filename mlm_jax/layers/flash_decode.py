@@ -35,7 +35,8 @@ PROGRAMS = 512  # spans enough for this many programs (about four per SM of an H
 MMA_ROWS = 2  # from this many rows, products on the tensor cores (llama-1b's attention alone: 12.4 against 14.3 us
 # a layer at 2 rows, 9.1 against 10.8 at one; the one-row step was not compared)
 MMA_M = 16  # the fewest rows of a tensor-core product
-MMA_BLOCK, MMA_WARPS, MMA_STAGES = 32, 4, 3  # llama-1b at 32 rows: 47.9 us a layer against 50.7 with 64-slot blocks
+MMA_BLOCK, MMA_WARPS, MMA_STAGES = 32, 2, 3  # llama-1b's decode step at 32 rows: 1.525 and 1.508 ms against 1.560
+# and 1.574 with 4 warps (4 stages 1.78, 2 stages 2.10), 2.01 with 8; with 2 warps 4 stages 1.71, 64-slot blocks 1.68
 NEG = -1e30  # the running max before any slot: finite, so a span with no written slot adds exp(NEG - max) = 0
 # (block_k, block_n, splits) of the fused q/k/v product run as the few-row kernel's partials (`Product`), in place
 # of XLA's product, whose split sums took a 2.2 us reduction a layer (llama-1b at 32 rows: 1.530 ms a decode step
