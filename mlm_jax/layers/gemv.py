@@ -10,9 +10,10 @@ outside: by XLA, which fuses the sum into whatever consumes the product, or by a
 (`add_residual`, `layers.flash_decode.step`).
 
 `add_residual` is a decode step's residual add, with the sum of a product's partials, in one kernel that also leaves
-each block's sum of squares for the next RMSNorm's row factor (`RowFactor`), which the kernels that consume it
-finish themselves: `gated` (a gated MLP's fused gate and up product with its activation) and
-`layers.flash_decode.step`. Every kernel XLA would launch between them costs a decode step 1 to 2 us.
+each block's sum of squares for the next RMSNorm's row factor (`RowFactor`). `gated`, a gated MLP's fused gate and
+up product with its activation, finishes that factor itself: every kernel XLA would launch between them costs a
+decode step 1 to 2 us. The attention takes XLA's factor (finished inside `layers.flash_decode`, it cost 11 us a
+layer).
 """
 from __future__ import annotations
 
