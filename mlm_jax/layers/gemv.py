@@ -36,7 +36,6 @@ SUM_ROWS = 4  # up to this many rows (rounded up to a power of two), multiplied 
 FEW, MANY = (32, 128, 1024), (256, 128, None)
 GATED = (64, 64, 4, 4)  # `gated`'s (block_k, block_n, warps, stages): llama-1b's decode step at 32 rows 1.545 ms
 # against 1.557 and 1.572 with XLA's product, activation and factor (1.586 with XLA's factor; 64 x 128 1.630)
-ACTIVATIONS = {"swiglu": jax.nn.silu, "geglu": functools.partial(jax.nn.gelu, approximate=True)}  # as `MLP`'s
 SPLIT = (32, 64, 16)  # (block_k, block_n, splits) of a product over one contracted dim summed by its consumer
 # (llama-1b's down projection at 32 rows: a decode step of 1.540 ms against 1.568 with 8 splits, 1.559 with XLA's)
 
@@ -104,19 +103,19 @@ def finish(squares: jax.Array, dim: int, eps: float, keepdims: bool = False) -> 
     return jax.lax.rsqrt(jnp.sum(squares, -1, keepdims=keepdims) / dim + eps)
 
 
-def gated(x_BSD: jax.Array, w_D2F: jax.Array, row_scale: jax.Array | RowFactor | None, activation: str, *,
+def gated(x_BSD: jax.Array, w_D2F: jax.Array, row_scale: jax.Array | RowFactor | None, activation, *,
           interpret: bool = False) -> jax.Array | None:
     """A gated MLP's hidden rows, act(g) * u, from its fused gate/up kernel (`MLP.fuse_projections`): g and u the
     products of x with w[:, 0] and w[:, 1], each rounded to x's dtype and times the row's factor (rounded again,
-    as `Linear` does), the activation (`ACTIVATIONS`) and product in fp32, rounded once. One program a column
-    block of both products walks the whole contracted dim in pipelined steps, so that the activation runs on its
-    sums and no XLA kernel stands between this product and the down projection's; a `RowFactor` is finished here.
-    None (the caller's XLA product) unless x has at most MAX_ROWS rows of 16-bit floats (or `interpret`: any
-    dtype), the activation is gated and GATED's blocks divide D and F."""
+    as `Linear` does), the gate's activation (a function: `mlp.GATES`) and product in fp32, rounded once. One
+    program a column block of both products walks the whole contracted dim in pipelined steps, so that the
+    activation runs on its sums and no XLA kernel stands between this product and the down projection's; a
+    `RowFactor` is finished here. None (the caller's XLA product) unless x has at most MAX_ROWS rows of 16-bit
+    floats (or `interpret`: any dtype) and GATED's blocks divide D and F."""
     *lead, D = x_BSD.shape
     F = w_D2F.shape[-1]
     M = math.prod(lead)
-    if (GATED is None or M > MAX_ROWS or activation not in ACTIVATIONS or D % GATED[0] or F % GATED[1]
+    if (GATED is None or M > MAX_ROWS or D % GATED[0] or F % GATED[1]
             or not (interpret or x_BSD.dtype in (jnp.bfloat16, jnp.float16))):
         return None
     rows = max(pl.next_power_of_2(M), ROW_TILE)
@@ -133,7 +132,7 @@ def gated(x_BSD: jax.Array, w_D2F: jax.Array, row_scale: jax.Array | RowFactor |
         scale_R = jnp.pad(factor(row_scale).reshape(M).astype(jnp.float32), (0, rows - M))
     h_RF = pl.pallas_call(
         functools.partial(_gated, block_k=block_k, block_n=block_n, steps=D // block_k, dim=dim, eps=eps,
-                          activation=ACTIVATIONS[activation]),
+                          activation=activation),
         out_shape=jax.ShapeDtypeStruct((rows, F), x_BSD.dtype),
         grid=(F // block_n,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,

@@ -2,6 +2,8 @@
 row (out) split over `mlp`."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,6 +11,8 @@ from flax import nnx
 from mlm_jax.layers import axes as ax
 from mlm_jax.layers import gemv
 from mlm_jax.layers.linear import Linear
+
+GATES = {"swiglu": jax.nn.silu, "geglu": functools.partial(jax.nn.gelu, approximate=True)}  # a gated MLP's activation
 
 
 class MLP(nnx.Module):
@@ -32,7 +36,7 @@ class MLP(nnx.Module):
         gated = ax.kernel(ax.GATED)
         if gated is not None and hasattr(self, "gate_up"):
             h_BSF = gated(x_BSD.astype(self.gate_up.dtype), self.gate_up.kernel[...].astype(self.gate_up.dtype),
-                          row_scale_BS1, self.activation)
+                          row_scale_BS1, GATES[self.activation])
             if h_BSF is not None:
                 return ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))
         row_scale_BS1 = gemv.factor(row_scale_BS1)
@@ -43,12 +47,7 @@ class MLP(nnx.Module):
         else:
             h_BSF = self.up(x_BSD, row_scale=row_scale_BS1)
             g_BSF = self.gate(x_BSD, row_scale=row_scale_BS1) if hasattr(self, "gate") else None
-        if self.activation == "swiglu":
-            h_BSF = jax.nn.silu(g_BSF) * h_BSF
-        elif self.activation == "geglu":
-            h_BSF = jax.nn.gelu(g_BSF, approximate=True) * h_BSF
-        else:
-            h_BSF = jax.nn.gelu(h_BSF)
+        h_BSF = GATES[self.activation](g_BSF) * h_BSF if self.activation in GATES else jax.nn.gelu(h_BSF)
         return ax.constrain(h_BSF, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_MLP))
 
     def fuse_projections(self) -> None:
