@@ -2,7 +2,8 @@
 weights), with the memory-bandwidth roofline of decoding.
 
     python benchmarks/decode.py [--config configs/llama-1b.yaml] [--batches 1 32] [--prompt-len 512]
-        [--new-tokens 256] [--repeats 5] [--bandwidth 4.3e12] [--skip-hf] [--results-dir DIR] [section.key=value ...]
+        [--new-tokens 256] [--repeats 5] [--rounds 1] [--bandwidth 4.3e12] [--skip-hf] [--results-dir DIR]
+        [section.key=value ...]
 
 For each batch size B, prompts of P random token ids and N new tokens (no stop tokens: every row decodes all N):
 prefill = the median time of a generate call with one new token (P tokens per row in), and decode = the median
@@ -10,7 +11,9 @@ time of a call with N new tokens minus the prefill, over B x (N - 1) tokens. Eac
 tokens to the host, so it is synced. Ours runs `mlm_jax.generate.generate` in a subprocess that imports jax;
 transformers runs `LlamaForCausalLM.generate` (SDPA attention, a static cache, which it compiles on CUDA) in a
 second subprocess that imports torch, after ours has exited: the two never hold accelerator memory at once, and
-this parent process imports neither.
+this parent process imports neither. With --rounds R the two alternate R times (ours, transformers, ours, ...), and
+each time is the median over the rounds of each round's median: a machine that speeds up or slows down during the
+call moves both alike.
 
 Roofline of one decode step at batch B: bytes = 2 x (all parameters, minus the input embedding table, of which a
 step reads only B rows; an output head counts whole, tied or not) + the KV cache, L x 2 (keys, values) x K kv
@@ -189,7 +192,8 @@ def records(args, cfg, ours: dict, hf: dict | None, hf_error: str | None) -> lis
         h_pre, h_dec, h_step = rates(hf_run, B, P, N)
         nbytes = roofline_bytes(m, ours["num_params"], B, P, N)
         cmd = ["python", "benchmarks/decode.py", "--config", args.config, "--batches", str(B), "--prompt-len",
-               str(P), "--new-tokens", str(N), "--repeats", str(args.repeats), "--bandwidth", f"{args.bandwidth:g}"]
+               str(P), "--new-tokens", str(N), "--repeats", str(args.repeats),
+               *(["--rounds", str(args.rounds)] if args.rounds > 1 else []), "--bandwidth", f"{args.bandwidth:g}"]
         out.append({
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "bench": "decode",
             "gpu": ours["gpu"], "config": cfg.name, "batch": B, "prompt_len": P, "new_tokens": N,
@@ -207,7 +211,7 @@ def records(args, cfg, ours: dict, hf: dict | None, hf_error: str | None) -> lis
             "num_params": ours["num_params"], "platform": ours["platform"], "jax_version": ours["jax_version"],
             "torch_version": hf and hf["torch_version"], "transformers_version": hf and hf["transformers_version"],
             "command": shlex.join(cmd + (["--skip-hf"] if args.skip_hf else []) + args.overrides),
-            "config_path": args.config, "overrides": args.overrides, "repeats": args.repeats})
+            "config_path": args.config, "overrides": args.overrides, "repeats": args.repeats, "rounds": args.rounds})
     return out
 
 
@@ -241,20 +245,47 @@ def table(recs: list[dict]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, (_, w) in zip(row, COLS)) for row in rows)
 
 
+def combined(results: list[dict]) -> dict:
+    """One subprocess's result from several rounds' (the first's, with each batch's times the median over the
+    rounds that measured it, and those rounds' own times kept in `rounds`); a single round as it is."""
+    if len(results) == 1:
+        return results[0]
+    out = {**results[0], "runs": {}}
+    for B in results[0]["runs"]:
+        runs = [r["runs"][B] for r in results if "error" not in r["runs"].get(B, {"error": None})]
+        if not runs:
+            out["runs"][B] = results[0]["runs"][B]
+            continue
+        out["runs"][B] = {k: statistics.median(run[k] for run in runs) for k in ("prefill_s", "generate_s")}
+        out["runs"][B]["rounds"] = runs
+    for key in ("measured_copy_bandwidth", "measured_read_bandwidth"):
+        if key in out:
+            out[key] = statistics.median(r[key] for r in results)
+    return out
+
+
 def main_parent(args, cfg) -> int:
+    if not args.skip_hf:
+        for w in hf_mismatches(cfg.model):
+            print(f"warning: transformers cannot match: {w}", file=sys.stderr)
+    ours_rounds, hf_rounds, hf_error = [], [], None
     with tempfile.TemporaryDirectory(prefix="mlm_jax-decode-") as tmp:
-        ours, err = child(args, "ours", os.path.join(tmp, "ours.json"))
-        if ours is None:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        hf, hf_error = None, None
-        if not args.skip_hf:  # after ours has exited and released the device
-            for w in hf_mismatches(cfg.model):
-                print(f"warning: transformers cannot match: {w}", file=sys.stderr)
-            hf, hf_error = child(args, "hf", os.path.join(tmp, "hf.json"))
-            if hf_error:
-                print(f"warning: {hf_error}", file=sys.stderr)
-    recs = records(args, cfg, ours, hf, hf_error)
+        for r in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {r + 1} of {args.rounds}", flush=True)
+            ours, err = child(args, "ours", os.path.join(tmp, f"ours{r}.json"))
+            if ours is None:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            ours_rounds.append(ours)
+            if not args.skip_hf:  # after ours has exited and released the device
+                hf, hf_error = child(args, "hf", os.path.join(tmp, f"hf{r}.json"))
+                if hf_error:
+                    print(f"warning: {hf_error}", file=sys.stderr)
+                else:
+                    hf_rounds.append(hf)
+    ours, hf = combined(ours_rounds), combined(hf_rounds) if hf_rounds else None
+    recs = records(args, cfg, ours, hf, None if hf else hf_error)
     results_dir = args.results_dir or HERE
     for rec in recs:
         write(results_dir, rec)
@@ -278,6 +309,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per row (random ids)")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (N >= 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (the median is kept)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times ours and transformers alternate; each time is the median over the rounds")
     p.add_argument("--bandwidth", type=float, default=4.3e12,
                    help="memory bandwidth of the roofline, bytes/s (an H200's device-to-device copy)")
     p.add_argument("--skip-hf", action="store_true", help="measure ours only")
@@ -289,8 +322,8 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_intermixed_args(argv)
     args.argv = argv
-    if args.new_tokens < 2 or args.prompt_len < 1 or args.repeats < 1 or min(args.batches) < 1:
-        p.error("--new-tokens must be >= 2, and --prompt-len, --repeats and --batches >= 1")
+    if args.new_tokens < 2 or min(args.prompt_len, args.repeats, args.rounds, *args.batches) < 1:
+        p.error("--new-tokens must be >= 2, and --prompt-len, --repeats, --rounds and --batches >= 1")
     return args
 
 
