@@ -252,7 +252,7 @@ def combined(results: list[dict]) -> dict:
         return results[0]
     out = {**results[0], "runs": {}}
     for B in results[0]["runs"]:
-        runs = [r["runs"][B] for r in results if "error" not in r["runs"].get(B, {"error": None})]
+        runs = [r["runs"][B] for r in results if B in r["runs"] and "error" not in r["runs"][B]]
         if not runs:
             out["runs"][B] = results[0]["runs"][B]
             continue
