@@ -231,6 +231,9 @@ class TrainConfig:
     micro_batch_size: int | None = positive(None)
     num_microbatches: int | None = positive(None)  # the same split as micro_batch_size: give either (or both)
     seq_len: int = positive(128)
+    # the output head and cross-entropy over this many slices of the sequence, so the whole batch's logits never
+    # exist at once (memory at large vocabularies); 1 = in one piece
+    loss_chunks: int = positive(1)
     seed: int = non_negative(0)
     output_dir: str | None = None
     log_every: int = positive(10)

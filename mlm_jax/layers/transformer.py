@@ -157,6 +157,11 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Logits and the MoE layers' routing statistics (each stacked along a leading MoE-layer dim; {} if dense)."""
+        x_BSD, stats = self.hidden(tokens_BS, positions_BS)
+        return self.logits(x_BSD), stats
+
+    def hidden(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """The last block's output (before the final norm) and the routing statistics of `forward`."""
         if positions_BS is None:
             positions_BS = default_positions(tokens_BS)
         with jax.named_scope("embed"):
@@ -174,7 +179,7 @@ class Transformer(nnx.Module):
             if run_stats:
                 stats.append(run_stats)
         stats = jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if len(stats) > 1 else (stats or [{}])[0]
-        return self.logits(x_BSD), stats
+        return x_BSD, stats
 
     def block_fn(self, kind: Kind):
         """`(x_BSD, positions_BS, layer_state) -> (x_BSD, MoE statistics)`: one layer of `kind`, with the model's
@@ -318,6 +323,15 @@ class Transformer(nnx.Module):
             yield nnx.merge(graphdef, first), local
             for _ in range(count - 1):
                 yield nnx.merge(graphdef, next(layers)), local
+
+    def head_input(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
+        """What the output head multiplies, for a loss that runs the head itself (`train.loss.head_loss`): the final
+        norm's output in the compute dtype, the head's stored weight ([D, V], or the [V, D] embedding table when
+        tied) and whether it is tied. `softcap` caps the products as `logits` does."""
+        x_BSD = ax.constrain(self.final_norm(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        if hasattr(self, "head"):
+            return x_BSD.astype(self.head.dtype), self.head.kernel[...], False
+        return x_BSD.astype(self.embed.dtype), self.embed.embedding[...], True
 
     def logits(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and output head."""

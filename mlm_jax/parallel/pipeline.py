@@ -97,7 +97,9 @@ def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh
                             layout: ChunkLayout | None = None) -> tuple[dict, dict]:
     """(metrics, gradient with respect to `params`) of the batch, computed by `schedule` over the chunks of
     `layout` (even by default): the mean cross-entropy as `metrics["loss"]` and, for an MoE model (`moe`, its
-    config), the MoE losses in the objective and their statistics in the metrics, as the plain step reports them."""
+    config), the MoE losses in the objective and their statistics in the metrics, as the plain step reports them.
+    `loss_fn(model, y_bSD, targets_bS)`: a microbatch's mean cross-entropy from the last chunk's output
+    (`train.loss.head_loss`)."""
     layout = _layout(params, schedule, layout)
     stacks, rest, data = _split(params, batch, schedule.microbatches, layout)
     kw = dict(mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout, moe=moe)
@@ -153,7 +155,7 @@ class _Stage:
 
     def loss(self, rest, y_bSD, m):
         """This microbatch's share of the mean loss (all microbatches have the same number of tokens)."""
-        return self.loss_fn(self.model(rest).logits(y_bSD), self.targets[m]) / self.M
+        return self.loss_fn(self.model(rest), y_bSD, self.targets[m]) / self.M
 
 
 def _specs(stacks, rest, layout: ChunkLayout):

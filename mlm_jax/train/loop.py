@@ -30,7 +30,7 @@ from mlm_jax.parallel.schedule import SCHEDULES, Schedule
 from mlm_jax.parallel.rules import make_rules, resolve
 from mlm_jax.train import checkpoint as ckpt
 from mlm_jax.train import metrics as mt
-from mlm_jax.train.loss import cross_entropy
+from mlm_jax.train.loss import head_loss
 from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import (TrainState, abstract_state, init_params, init_state, model_spec,
                                  opt_state_shardings, state_shardings)
@@ -166,7 +166,8 @@ class Trainer:
             self.chunks = chunks or ChunkLayout(chunk_sizes(split, cfg.model, cfg.train.seq_len, schedule.stages,
                                                             schedule.virtual), schedule.stages, schedule.virtual,
                                                 layer_kinds(cfg.model))
-            kw = dict(mesh=self.mesh, schedule=schedule, loss_fn=cross_entropy, moe=moe, layout=self.chunks)
+            kw = dict(mesh=self.mesh, schedule=schedule, moe=moe, layout=self.chunks,
+                      loss_fn=functools.partial(head_loss, chunks=cfg.train.loss_chunks))
             pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef,
                                          compute_dtype=jnp.dtype(cfg.model.dtype), **kw)
             forward = functools.partial(pipeline_loss, self.spec.graphdef, **kw)
@@ -176,7 +177,7 @@ class Trainer:
             master_shardings=self.master_shardings,
             compute_shardings=shd.named(self.mesh, self.param_specs) if zero1 else None,
             compute_dtype=jnp.dtype(cfg.model.dtype), pipeline=pipeline, moe=moe, kernels=kernels, prepare=prepare,
-            per_layer=() if cfg.model.scan_layers else STACKS)
+            per_layer=() if cfg.model.scan_layers else STACKS, loss_chunks=cfg.train.loss_chunks)
         step = make_train_step(self.tx, grads, lr_schedule=self.lr_schedule, moe=moe,
                                keep_gradients=self.keep_gradients)
         shardings = state_shardings(self.state)
@@ -186,7 +187,8 @@ class Trainer:
                                    out_shardings=(shardings, None, *kept), donate_argnums=0)
         self._grads = jax.jit(grads, in_shardings=(self.master_shardings, batch_shardings),
                               out_shardings=(None, self.master_shardings))
-        self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver, moe, kernels, prepare, forward),
+        self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver, moe, kernels, prepare, forward,
+                                                 cfg.train.loss_chunks),
                                   in_shardings=(self.master_shardings, batch_shardings))
         self._compiled = None
 

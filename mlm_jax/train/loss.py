@@ -1,8 +1,13 @@
-"""Next-token cross-entropy in fp32 (logits may arrive in bf16 and sharded over the vocabulary)."""
+"""Next-token cross-entropy in fp32 (logits may arrive in bf16 and sharded over the vocabulary), whole or in
+chunks of the sequence so that the logits of the whole batch never exist at once."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
+
+from mlm_jax.layers import axes as ax
 
 
 def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
@@ -12,3 +17,80 @@ def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
     # A masked sum rather than a gather: it partitions over a vocabulary sharded across devices.
     target_BS = jnp.sum(jnp.where(jnp.arange(logits_BSV.shape[-1]) == targets_BS[..., None], logits_BSV, 0.0), -1)
     return jnp.mean(lse_BS - target_BS)
+
+
+def head_loss(model, x_BSD: jax.Array, targets_BS: jax.Array, chunks: int = 1) -> jax.Array:
+    """Mean cross-entropy of `model`'s final norm and output head on the last block's output `x_BSD`: through
+    `model.logits` whole, or over `chunks` slices of the sequence (`train.loss_chunks`, `chunked_cross_entropy`)."""
+    if chunks == 1:
+        return cross_entropy(model.logits(x_BSD), targets_BS)
+    with jax.named_scope("head"):
+        x_BSD, weight, tied = model.head_input(x_BSD)
+        return chunked_cross_entropy(x_BSD, weight, targets_BS, chunks, tied, model.softcap)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def chunked_cross_entropy(x_BSD: jax.Array, weight: jax.Array, targets_BS: jax.Array, chunks: int, tied: bool,
+                          softcap: float | None) -> jax.Array:
+    """`cross_entropy` of the logits `x_BSD @ weight` ([D, V], or the [V, D] embedding table if `tied`; stored in
+    any dtype, multiplied in x's), optionally soft-capped, computed over `chunks` interleaved slices of the
+    sequence (positions s with s % chunks = c): only one slice's logits exist at a time.
+
+    The forward pass computes the gradients too, one slice at a time (the weight's summed in fp32), so that the
+    backward pass only scales them: no logits are kept or recomputed. Interleaved slices keep a sequence sharded
+    over devices (context parallelism) evenly split in every slice.
+    """
+    return _chunked(x_BSD, weight, targets_BS, chunks, tied, softcap, grads=False)[0]
+
+
+def _chunked(x_BSD, weight, targets_BS, chunks, tied, softcap, grads=True):
+    B, S, D = x_BSD.shape
+    w = weight.astype(x_BSD.dtype)
+    logits_eq, dx_eq, dw_eq = (("bsd,vd->bsv", "bsv,vd->bsd", "bsd,bsv->vd") if tied else
+                               ("bsd,dv->bsv", "bsv,dv->bsd", "bsd,bsv->dv"))
+
+    def slices(a):  # [B, S, ...] -> [chunks, B, S / chunks, ...]: slice c holds the positions c, c + chunks, ...
+        return jnp.moveaxis(a.reshape(B, S // chunks, chunks, *a.shape[2:]), 2, 0)
+
+    count = B * S
+
+    def chunk(dw, xs):
+        x_BsD, targets_Bs = xs
+        logits_BsV = jnp.einsum(logits_eq, x_BsD, w)
+        logits_BsV = ax.constrain(logits_BsV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB)).astype(jnp.float32)
+        if softcap is not None:
+            capped_BsV = jnp.tanh(logits_BsV / softcap)
+            logits_BsV = (softcap * capped_BsV).astype(x_BSD.dtype).astype(jnp.float32)
+        lse_Bs = jax.nn.logsumexp(logits_BsV, axis=-1)
+        hit_BsV = jnp.arange(logits_BsV.shape[-1]) == targets_Bs[..., None]
+        loss = jnp.sum(lse_Bs - jnp.sum(jnp.where(hit_BsV, logits_BsV, 0.0), -1))
+        if not grads:
+            return dw, (loss, None)
+        d_BsV = (jnp.exp(logits_BsV - lse_Bs[..., None]) - hit_BsV) / count
+        if softcap is not None:
+            d_BsV = d_BsV * (1 - capped_BsV * capped_BsV)
+        d_BsV = d_BsV.astype(x_BSD.dtype)
+        dx_BsD = jnp.einsum(dx_eq, d_BsV, w, preferred_element_type=jnp.float32)
+        dw = dw + jnp.einsum(dw_eq, x_BsD, d_BsV, preferred_element_type=jnp.float32)
+        return dw, (loss, dx_BsD)
+
+    dw, (losses, dx_cBsD) = jax.lax.scan(chunk, jnp.zeros(weight.shape, jnp.float32) if grads else None,
+                                         (slices(x_BSD), slices(targets_BS)))
+    if not grads:
+        return jnp.sum(losses) / count, None
+    dx_BSD = jnp.moveaxis(dx_cBsD, 0, 2).reshape(B, S, D)
+    return jnp.sum(losses) / count, (dx_BSD, dw)
+
+
+def _chunked_fwd(x_BSD, weight, targets_BS, chunks, tied, softcap):
+    loss, (dx_BSD, dw) = _chunked(x_BSD, weight, targets_BS, chunks, tied, softcap)
+    # empty arrays carry the inputs' dtypes for the gradients, which are kept in fp32 until scaled
+    return loss, (dx_BSD, dw, jnp.zeros(0, x_BSD.dtype), jnp.zeros(0, weight.dtype))
+
+
+def _chunked_bwd(chunks, tied, softcap, residuals, g):
+    dx_BSD, dw, x_like, w_like = residuals
+    return (g * dx_BSD).astype(x_like.dtype), (g * dw).astype(w_like.dtype), None
+
+
+chunked_cross_entropy.defvjp(_chunked_fwd, _chunked_bwd)

@@ -13,17 +13,19 @@ from mlm_jax.config import MoEConfig
 from mlm_jax.layers import axes as ax
 from mlm_jax.layers.fp8 import is_history
 from mlm_jax.layers.linear import master_einsum
-from mlm_jax.train.loss import cross_entropy
+from mlm_jax.train.loss import head_loss
 from mlm_jax.train.state import TrainState
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, moe: MoEConfig | None = None) -> Callable:
+def make_loss_fn(graphdef: nnx.GraphDef, moe: MoEConfig | None = None, loss_chunks: int = 1) -> Callable:
     """`loss_fn(params, batch) -> (objective, metrics)`: the objective adds the MoE losses to the cross-entropy,
-    which `metrics["loss"]` reports alone. MoE losses are means over the MoE layers."""
+    which `metrics["loss"]` reports alone. MoE losses are means over the MoE layers. `loss_chunks`: the head and
+    cross-entropy over that many slices of the sequence (`train.loss.head_loss`)."""
     def loss_fn(params, batch) -> tuple[jax.Array, dict]:
-        logits_BSV, stats = nnx.merge(graphdef, params).forward(batch["inputs"], batch.get("positions"))
+        model = nnx.merge(graphdef, params)
+        x_BSD, stats = model.hidden(batch["inputs"], batch.get("positions"))
         with jax.named_scope("loss"):
-            loss = cross_entropy(logits_BSV, batch["targets"])
+            loss = head_loss(model, x_BSD, batch["targets"], loss_chunks)
         if not stats:
             return loss, {"loss": loss}
         aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
@@ -50,7 +52,7 @@ def update_router_bias(params, load_LE: jax.Array, rate: float):
 def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shardings, compute_shardings=None,
                  compute_dtype=jnp.float32, pipeline: Callable | None = None, moe: MoEConfig | None = None,
                  kernels: dict | None = None, prepare: Callable | None = None,
-                 per_layer: tuple[str, ...] = ()) -> Callable:
+                 per_layer: tuple[str, ...] = (), loss_chunks: int = 1) -> Callable:
     """`grads(params, batch) -> (metrics, gradients)`: the mean loss and gradient over the batch, each gradient in
     its master weight's dtype and layout.
 
@@ -68,7 +70,7 @@ def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shard
     product that makes it, where the memory traffic hides under the matmul, rather than in passes of their own over
     every gradient, stacked, per microbatch. Not with ZeRO-1, whose gradients are reduce-scattered per microbatch.
     """
-    loss_fn = make_loss_fn(graphdef, moe)
+    loss_fn = make_loss_fn(graphdef, moe, loss_chunks)
     if pipeline is None:
         value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
     else:
@@ -202,10 +204,11 @@ def make_train_step(tx: optax.GradientTransformation, grads_fn: Callable, *, lr_
 
 
 def make_eval_step(graphdef, resolver: Callable, moe: MoEConfig | None = None, kernels: dict | None = None,
-                   prepare: Callable | None = None, pipeline_loss: Callable | None = None) -> Callable:
+                   prepare: Callable | None = None, pipeline_loss: Callable | None = None,
+                   loss_chunks: int = 1) -> Callable:
     """`eval_step(params, batch) -> cross-entropy` (without the MoE losses); `pipeline_loss(params, batch)` runs
     it through the pipeline stages."""
-    loss_fn = make_loss_fn(graphdef, moe)
+    loss_fn = make_loss_fn(graphdef, moe, loss_chunks)
 
     def eval_step(params, batch):
         with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
