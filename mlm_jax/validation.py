@@ -276,8 +276,8 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
                           "runs cudnn (GPU) or xla blocks; use model.attention_impl=auto")
     if t.seq_len % (t.loss_chunks * cp):
         within = f" x parallel.context={cp}" if cp > 1 else ""
-        raise ConfigError(f"train.loss_chunks={t.loss_chunks}{within} does not divide train.seq_len={t.seq_len} (each "
-                          f"chunk takes every {t.loss_chunks}th position of each device's part of the sequence)")
+        raise ConfigError(f"train.loss_chunks={t.loss_chunks}{within} does not divide train.seq_len={t.seq_len} (the "
+                          f"chunks interleave the positions of each device's part of the sequence)")
     M = accumulation_steps(cfg, d)
     if P > 1 and M < P:
         raise ConfigError(f"{M} microbatch(es) cannot fill parallel.stage={P} pipeline stages: set "
