@@ -1,7 +1,8 @@
 """FSDP moves 16-bit weights and sums gradients in fp32: in the train step of a bf16 model under data2 x fsdp4, as
 XLA's SPMD partitioner leaves it, every weight (the embedding table and a tied head included) is gathered in bf16,
-cast on its shard, and every gradient's partial sums are reduced in fp32. (The CPU backend later widens bf16
-collectives to fp32, so the program is read right after partitioning.)"""
+cast on its shard, and every gradient's partial sums are reduced in fp32, the head's too when it runs in chunks of
+the sequence (`train.loss_chunks`). (The CPU backend later widens bf16 collectives to fp32, so the program is read
+right after partitioning.)"""
 import re
 
 import pytest
@@ -10,7 +11,9 @@ from mlm_jax import Trainer, load_config
 
 
 @pytest.mark.parametrize("overrides", [["model.tie_embeddings=false", "model.scan_layers=true"],
-                                       ["model.tie_embeddings=true", "model.scan_layers=false"]])
+                                       ["model.tie_embeddings=true", "model.scan_layers=false"],
+                                       ["model.tie_embeddings=false", "train.loss_chunks=4"],
+                                       ["model.tie_embeddings=true", "train.loss_chunks=4"]])
 def test_fsdp_gathers_bf16_and_reduces_fp32(tmp_path, overrides):
     cfg = load_config(None, ["model.dtype=bfloat16", "parallel.data=2", "parallel.fsdp=4", "train.steps=1",
                              f"train.output_dir={tmp_path}", "log.progress=never", "train.eval_every=0", *overrides])
