@@ -23,7 +23,9 @@ def head_loss(model, x_BSD: jax.Array, targets_BS: jax.Array, chunks: int = 1) -
     """Mean cross-entropy of `model`'s final norm and output head on the last block's output `x_BSD`: through
     `model.logits` whole, or over `chunks` slices of the sequence (`train.loss_chunks`, `chunked_cross_entropy`)."""
     if chunks == 1:
-        return cross_entropy(model.logits(x_BSD), targets_BS)
+        logits_BSV = model.logits(x_BSD)  # in the "head" scope
+        with jax.named_scope("loss"):
+            return cross_entropy(logits_BSV, targets_BS)
     with jax.named_scope("head"):
         x_BSD, weight, tied = model.head_input(x_BSD)
         return chunked_cross_entropy(x_BSD, weight, targets_BS, chunks, tied, model.softcap)

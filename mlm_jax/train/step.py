@@ -24,8 +24,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, moe: MoEConfig | None = None, loss_chun
     def loss_fn(params, batch) -> tuple[jax.Array, dict]:
         model = nnx.merge(graphdef, params)
         x_BSD, stats = model.hidden(batch["inputs"], batch.get("positions"))
-        with jax.named_scope("loss"):
-            loss = head_loss(model, x_BSD, batch["targets"], loss_chunks)
+        loss = head_loss(model, x_BSD, batch["targets"], loss_chunks)
         if not stats:
             return loss, {"loss": loss}
         aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
