@@ -1,4 +1,4 @@
-"""A decode step's attention alone at a model's shapes: `layers.flash_decode`'s kernel (fed the fused q/k/v product,
+"""A decode step's attention alone at a model's shapes: `ops.flash_decode`'s kernel (fed the fused q/k/v product,
 as generation feeds it from 5 rows) against the path XLA runs without it (the row scale, RoPE, two cache scatters,
 cuDNN's flash kernel), and the kernel's tensor-core configs over a grid at the largest batch.
 
@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from mlm_jax.config import load_config
-from mlm_jax.layers import flash_decode, kv_cache
-from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
+from mlm_jax.model import kv_cache
+from mlm_jax.ops import flash_decode
+from mlm_jax.model.rope import RopeConfig, apply_rope, tables
 
 REPEATS = 20
 GRID = list(itertools.product((32, 16, 64), (4, 8), (3, 4, 2)))  # (MMA_BLOCK, MMA_WARPS, MMA_STAGES)
@@ -48,7 +49,7 @@ def kernel_path(H, interpret, **constants):
 
 @contextlib.contextmanager
 def kernel_constants(**constants):
-    """`layers.flash_decode`'s module constants set (they are read while tracing), then restored."""
+    """`ops.flash_decode`'s module constants set (they are read while tracing), then restored."""
     kept = {name: getattr(flash_decode, name) for name in constants}
     for name, value in constants.items():
         setattr(flash_decode, name, value)

@@ -1,4 +1,4 @@
-"""Products of a few rows (decode steps) with llama-1b's weights: XLA's against `layers.gemv`'s Pallas kernel
+"""Products of a few rows (decode steps) with llama-1b's weights: XLA's against `ops.gemv`'s Pallas kernel
 over a grid of its block sizes, split counts, warps and pipeline stages. GPU time from CUPTI, per product, over
 eight distinct weights so that none is read from L2.
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 
-from mlm_jax.layers import gemv
+from mlm_jax.ops import gemv
 
 SHAPES = {"qkv": (2048, 6144), "gate_up": (2048, 11264), "down": (5632, 2048), "out": (2048, 2048),
           "head": (2048, 32768)}  # (K, N) of llama-1b's products, q/k/v and gate/up fused

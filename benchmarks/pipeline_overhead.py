@@ -36,7 +36,7 @@ def run_variant(args) -> dict:
     """Child: train `--steps` timed steps of one variant ("plain", or "<schedule>:<V>")."""
     import jax
 
-    from mlm_jax.layers.transformer import layer_kinds
+    from mlm_jax.model.transformer import layer_kinds
     from mlm_jax.parallel.schedule import SCHEDULES
     from mlm_jax.parallel.stages import ChunkLayout
     from mlm_jax.train.loop import Trainer
@@ -84,7 +84,7 @@ def stash_bytes(trainer, schedule) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mlm_jax.layers import axes as ax
+    from mlm_jax.model import axes as ax
     from mlm_jax.parallel.kernels import parallel_kernels
     from mlm_jax.parallel.pipeline import Residuals, _segments, _stash_plan, stash_policy
 

@@ -1,5 +1,6 @@
 """mlm_jax: a JAX/XLA trainer for large transformers (tensor, sequence, data/FSDP parallelism and more)."""
-from mlm_jax.config import Config, ConfigError, load_config
+from mlm_jax.config import Config, ConfigError
+from mlm_jax.validation.config import load_config
 
 __all__ = ["Config", "ConfigError", "Trainer", "generate", "load_config", "load_pretrained"]
 
@@ -12,6 +13,6 @@ def __getattr__(name):
         import mlm_jax.generate
         return mlm_jax.generate
     if name == "load_pretrained":
-        from mlm_jax.convert.pretrained import load_pretrained
+        from mlm_jax.infer.pretrained import load_pretrained
         return load_pretrained
     raise AttributeError(name)

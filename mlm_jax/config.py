@@ -2,7 +2,8 @@
 
 Every user mistake raises `ConfigError` with one line naming the key, the value and what is allowed; the CLI
 turns it into `error: ...` and exit code 2. Each field declares its own allowed values (`choice`, `number`);
-`mlm_jax.validation` checks them and every rule across fields, devices and backend in one pass.
+`mlm_jax.validation` checks them and every rule across fields, devices and backend in one pass
+(`mlm_jax.load_config` parses and checks). This module imports nothing of the package.
 """
 from __future__ import annotations
 
@@ -466,8 +467,9 @@ def _parse_override(arg: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
-    """Defaults, then the YAML file at `path`, then `section.key=value` overrides; validated."""
+def parse_config(path: str | os.PathLike | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Defaults, then the YAML file at `path`, then `section.key=value` overrides, each checked against its field's
+    type; the rules on values are `mlm_jax.validation`'s (`load_config` runs both)."""
     cfg = Config()
     if path is not None:
         path = os.fspath(path)
@@ -486,8 +488,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Iterabl
                 cfg = _apply(cfg, f"{section}.{name}", value)
     for arg in overrides:
         cfg = _apply(cfg, *_parse_override(arg))
-    from mlm_jax.validation import check_config  # the rules need the dataclasses above
-    check_config(cfg)
     return cfg
 
 

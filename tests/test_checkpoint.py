@@ -16,7 +16,7 @@ import pytest
 
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError
-from mlm_jax.train.checkpoint import CheckpointError, checkpoint_steps
+from mlm_jax.checkpoint.state import CheckpointError, checkpoint_steps
 from mlm_jax.train.loop import TrainingStopped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -313,7 +313,7 @@ def test_resuming_a_weights_only_checkpoint_is_refused_and_moves_nothing(tmp_pat
     import jax.numpy as jnp
 
     from mlm_jax.config import ConfigError
-    from mlm_jax.convert.store import save_weights
+    from mlm_jax.checkpoint.weights import save_weights
 
     t = trainer(tmp_path, "train.steps=2")
     save_weights(str(tmp_path / "checkpoints"), jax.tree.map(jnp.asarray, jax.device_get(t.state.params)),

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mlm_jax.layers.experts import dropless_ffn, expert_ffn, grouped_matmul, sorted_ffn
+from mlm_jax.model.experts import dropless_ffn, expert_ffn, sorted_ffn
+from mlm_jax.ops.grouped_matmul import grouped_matmul
 from mlm_jax.parallel.expert import expert_parallel_ffn
 from mlm_jax.parallel.mesh import build_mesh
 from mlm_jax.parallel.rules import DATA_AXES, MESH_AXES

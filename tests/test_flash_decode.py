@@ -1,4 +1,4 @@
-"""The decode step kernel (`layers.flash_decode.step`), interpreted on CPU: equal to XLA's reference (the new query,
+"""The decode step kernel (`ops.flash_decode.step`), interpreted on CPU: equal to XLA's reference (the new query,
 key and value times a row scale, RoPE of the query and key by `rope.apply_rope`, `kv_cache.write`,
 `kv_cache.attend_cached`; fp32, 1e-5 of the output's scale) with its products on the CUDA cores and on the tensor
 cores, the new values as three arrays, as one fused product and as that product's input and weight, for full and
@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlm_jax.layers import flash_decode, kv_cache
-from mlm_jax.layers.rope import RopeConfig, apply_rope, tables
+from mlm_jax.model import kv_cache
+from mlm_jax.ops import flash_decode
+from mlm_jax.model.rope import RopeConfig, apply_rope, tables
 
 
 # q, k and v apart, or one [B, 1, K, G + 2, H] product (with a row scale or none: a block whose norms are not folded),

@@ -7,7 +7,7 @@ import pytest
 
 from layouts import assert_matches, fit, leaves, reference
 from mlm_jax import Trainer, load_config
-from mlm_jax.layers.fp8 import E4M3, E5M2, cast, delayed_einsum, fp8_einsum
+from mlm_jax.ops.fp8 import E4M3, E5M2, cast, delayed_einsum, fp8_einsum
 
 EQUATION = "bsd,df->bsf"
 

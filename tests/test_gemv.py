@@ -1,4 +1,4 @@
-"""The few-row product kernel of decode steps (`layers.gemv`), interpreted on CPU: equal to XLA's einsum (fp32,
+"""The few-row product kernel of decode steps (`ops.gemv`), interpreted on CPU: equal to XLA's einsum (fp32,
 1e-5 of the result's scale) on both of its paths (summed on the CUDA cores up to 4 rows, tensor-core tiles from 5,
 padded), with one or several partial products over the contracted dims and several steps in each; shapes it does
 not take go to XLA's einsum. The residual add of decode steps (`add_residual`) equals XLA's sum, add and RMSNorm
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers import gemv
-from mlm_jax.layers.mlp import MLP
+from mlm_jax.model import axes as ax
+from mlm_jax.ops import gemv
+from mlm_jax.model.mlp import MLP
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 32])

@@ -24,9 +24,9 @@ from mlm_jax import Trainer, load_config, load_pretrained  # noqa: E402
 from mlm_jax.convert.pretrained import load_tokenizer  # noqa: E402
 from mlm_jax.generate import _generate  # noqa: E402
 from mlm_jax.generate import main as generate_main  # noqa: E402
-from mlm_jax.layers import axes as ax  # noqa: E402
-from mlm_jax.layers import flash_decode, gemv  # noqa: E402
-from mlm_jax.layers.transformer import Transformer  # noqa: E402
+from mlm_jax.model import axes as ax# noqa: E402
+from mlm_jax.ops import flash_decode, gemv# noqa: E402
+from mlm_jax.model.transformer import Transformer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NEW = 32  # new tokens per prompt

@@ -11,7 +11,7 @@ from flax import nnx
 from layouts import assert_matches, fit, reference
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError, MoEConfig
-from mlm_jax.layers.moe import MoE, MoELayerConfig
+from mlm_jax.model.moe import MoE, MoELayerConfig
 from mlm_jax.train.step import load_imbalance, update_router_bias
 from mlm_jax.validation import check_degrees
 

@@ -4,7 +4,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from mlm_jax.layers.rope import RopeConfig, apply_rope, frequencies
+from mlm_jax.model.rope import RopeConfig, apply_rope, frequencies
 
 X_BSNH = jax.random.normal(jax.random.key(0), (2, 12, 3, 16))
 POSITIONS_BS = np.broadcast_to(np.arange(12), (2, 12))

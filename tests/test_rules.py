@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import ConfigError, load_config
-from mlm_jax.layers import axes as ax
+from mlm_jax.model import axes as ax
 from mlm_jax.parallel import rules as R
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.mesh import build_mesh

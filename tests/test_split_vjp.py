@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from mlm_jax import load_config
-from mlm_jax.layers.transformer import ChunkSlots, layer_kinds
+from mlm_jax.model.transformer import ChunkSlots, layer_kinds
 from mlm_jax.parallel.pipeline import stash_policy
 from mlm_jax.parallel.split_vjp import split_pullback
 from mlm_jax.train.state import model_spec
@@ -49,7 +49,7 @@ def _model(scan: bool, *overrides, active=None, local=None):
     """The model's blocks as a pipeline chunk runs them (`_Stage.chunk`: `active`, whether each of the last layers
     runs, as in a chunk shorter than its stage's room; `local`, traced window flags, as in a chunk whose layer kinds
     differ from other chunks'), and its number of weight matmuls: one for each (L, ...) weight of 3 dims or more,
-    in each layer, but one for an MoE layer's gate and up experts (`layers.experts`: one grouped matmul)."""
+    in each layer, but one for an MoE layer's gate and up experts (`model.experts`: one grouped matmul)."""
     m = load_config(None, [f"model.num_layers={L}", f"model.hidden_size={D}", "model.num_heads=4",
                            f"model.ffn_size={F}", "model.vocab_size=128", "model.dtype=float32",
                            f"model.scan_layers={str(scan).lower()}", *overrides]).model

@@ -1,5 +1,5 @@
-"""Hugging Face interop for the Llama family: `python -m mlm_jax.convert from-hf|to-hf`, `load_pretrained`."""
+"""Hugging Face interop: `python -m mlm_jax.convert from-hf|to-hf`, one module per family and one registry of them
+(`convert.families`) for both directions."""
+from mlm_jax.checkpoint.weights import ConvertError
 
-
-class ConvertError(ValueError):
-    """A source or checkpoint that cannot be converted; the message is one line."""
+__all__ = ["ConvertError"]

@@ -8,6 +8,7 @@ import sys
 
 from mlm_jax.config import ConfigError
 from mlm_jax.convert import ConvertError, llama
+from mlm_jax.convert.hf import from_hf, to_hf
 
 UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
@@ -39,15 +40,13 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command == "from-hf":
-            llama.read_source(args.src)  # a bad source fails here, before jax loads
-            from mlm_jax.convert.hf import from_hf
+            llama.read_source(args.src)  # a bad source fails here, before anything is written
             cfg = from_hf(args.src, args.dst)
             config, checkpoints = os.path.join(args.dst, "config.yaml"), os.path.join(args.dst, "checkpoints")
             print(f"wrote {args.dst}: config.yaml and checkpoints/0 ({cfg.model.num_layers} layers, vocabulary "
                   f"{cfg.model.vocab_size}); fine-tune with: python -m mlm_jax.train --config {config} "
                   f"checkpoint.init_from={checkpoints}")
         else:
-            from mlm_jax.convert.hf import to_hf
             config = to_hf(args.checkpoint, args.dst, args.dtype, args.max_shard_size)
             print(f"wrote {args.dst}: config.json and {args.dtype} safetensors ({config['architectures'][0]})")
     except (ConvertError, ConfigError) as e:

@@ -1,7 +1,7 @@
 """DeepSeek-V3 in Hugging Face terms (`DeepseekV3ForCausalLM`): latent attention with a mixture of experts.
 
 Pure Python and numpy, like `llama`, whose entry and layout machinery this reuses. Multi-head latent attention is
-`model.mla` (`layers.mla`); HF lays each RoPE part out as interleaved pairs (`rope_interleave`), ours pairs dims
+`model.mla` (`model.mla`); HF lays each RoPE part out as interleaved pairs (`rope_interleave`), ours pairs dims
 (i, i + E/2), so the RoPE columns of `q_b_proj` (or `q_proj`) and `kv_a_proj_with_mqa` are permuted on the way in
 and back (`Entry.rope_tail`): the same function, exact round trips. The first `first_k_dense_replace` layers keep a
 dense MLP (`intermediate_size`); the others route with sigmoid scores plus `e_score_correction_bias` (our router
@@ -60,7 +60,7 @@ def _entries(m: ModelConfig) -> tuple[llama.Entry, ...]:
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
-    """YaRN's attention-temperature factor (the one `layers.rope` applies; here without importing jax)."""
+    """YaRN's attention-temperature factor (the one `model.rope` applies; here without importing jax)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 

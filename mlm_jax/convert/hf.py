@@ -20,9 +20,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from mlm_jax.config import Config, ModelConfig
-from mlm_jax.validation import check_config
-from mlm_jax.convert import ConvertError, deepseek_v3, gemma3, llama, mixtral, qwen3_moe, store
-from mlm_jax.train.state import model_spec
+from mlm_jax.validation.config import check_config
+from mlm_jax.checkpoint import weights as store
+from mlm_jax.convert import ConvertError, deepseek_v3, gemma3, llama, mixtral, qwen3_moe
+from mlm_jax.model.transformer import model_spec
 
 # The tokenizer and what configures it (special tokens, chat template, generation defaults), kept as they are
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")

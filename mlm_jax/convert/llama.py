@@ -17,6 +17,7 @@ import numpy as np
 from safetensors import safe_open
 
 from mlm_jax.config import ModelConfig, RopeScalingConfig
+from mlm_jax.ops.fp8 import HISTORY
 from mlm_jax.convert import ConvertError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -101,7 +102,7 @@ def to_hf(e: Entry, x: np.ndarray) -> np.ndarray:
 
 def stacks(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our layer stacks and the model layers each holds, in order: an MoE model's MoE layers in `blocks` and its
-    dense ones in `dense_blocks` (`layers.transformer`), a dense model's every layer in `blocks`."""
+    dense ones in `dense_blocks` (`model.transformer`), a dense model's every layer in `blocks`."""
     moe = tuple(i for i in range(m.num_layers) if not m.moe.enabled or m.moe.is_moe_layer(i))
     return {"blocks": moe, "dense_blocks": tuple(i for i in range(m.num_layers) if i not in moe)}
 
@@ -111,7 +112,6 @@ def layout(m: ModelConfig, shapes: dict, entries: tuple[Entry, ...] = ENTRIES,
     """Our parameters (a nested dict of shaped leaves) in HF order, with their full shapes; a per-layer entry
     pairs with the parameter of each stack that has it. fp8 delayed-scaling histories are training state with no
     Hugging Face counterpart, left out."""
-    from mlm_jax.layers.fp8 import HISTORY  # lazily: the CLI checks configs through this module before jax
     flat = {path: shape for path, shape in _leaves(shapes) if path[-1] != HISTORY}
     out = []
     for e in entries:

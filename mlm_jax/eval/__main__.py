@@ -7,9 +7,11 @@ import json
 import os
 import sys
 
-from mlm_jax.config import DTYPES
-from mlm_jax.convert import ConvertError
+from mlm_jax.checkpoint.weights import ConvertError
+from mlm_jax.config import DTYPES, ConfigError
 from mlm_jax.eval import EvalError
+from mlm_jax.eval.tasks import evaluate, missing, unknown_task
+from mlm_jax.infer.pretrained import load_pretrained, load_tokenizer
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,9 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", help="write lm-eval's results (with every sample) to this JSON file")
     try:
         args = parser.parse_args(argv)
-        from mlm_jax.convert.pretrained import load_pretrained, load_tokenizer
         pretrained = load_tokenizer(args.path, args.tokenizer)
-        from mlm_jax.eval.tasks import evaluate, missing, unknown_task
         if reason := missing():
             raise EvalError(reason)
         if args.include_path is not None and not os.path.isdir(args.include_path):
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         print(make_table(results))
         if results.get("groups"):
             print(make_table(results, "groups"))
-    except (ConvertError, EvalError) as e:
+    except (ConfigError, ConvertError, EvalError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

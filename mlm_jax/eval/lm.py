@@ -24,7 +24,8 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from mlm_jax.convert.pretrained import Pretrained
+from mlm_jax.infer.generate import generate
+from mlm_jax.infer.pretrained import Pretrained
 from mlm_jax.eval import EvalError
 from mlm_jax.eval.tokens import Codec
 
@@ -131,7 +132,6 @@ class MlmLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or, with `do_sample`, sampled) continuations, in batches of requests with the same settings."""
-        from mlm_jax.generate import generate
         eos_text = self.codec.decode([self.eot_token_id], skip_special=False)
         groups = collections.defaultdict(list)
         for r, request in enumerate(requests):

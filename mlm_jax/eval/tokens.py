@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlm_jax.convert.pretrained import Pretrained
+from mlm_jax.infer.pretrained import Pretrained
 from mlm_jax.data.tokenizer import HFTokenizer
 
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")

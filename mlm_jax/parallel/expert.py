@@ -5,7 +5,7 @@ context on the sequence dim) and over `tensor` (and over the idle size-1 axes, s
 inside a pipeline stage's `shard_map` over `stage` this one nests in it. Each device sorts only its own
 T tokens' assignments and holds E/P experts, P the expert-parallel degree. It ranks its T*K assignments by
 destination (rank expert // (E/P)), packs one buffer per destination, swaps them with `all_to_all` over `expert`,
-runs its local experts on what it received with `layers.experts`, swaps the outputs back, and weights and sums
+runs its local experts on what it received with `model.experts`, swaps the outputs back, and weights and sums
 over K. `tensor` is manual so that each rank runs the (non-partitionable) grouped-matmul kernel on its own slice
 of F, and the partial sums are reduced once, on the (T, D) output, rather than on every expert row.
 
@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from mlm_jax.layers import experts as ex
+from mlm_jax.model import experts as ex
+from mlm_jax.ops.grouped_matmul import GroupedMatmul, matmul_for
 from mlm_jax.parallel.rules import DATA_AXES
 
 EXPERT = "expert"
@@ -45,7 +46,7 @@ def _exchange(a: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(a, EXPERT, 0, 0)
 
 
-def _dropless(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, *, P: int, matmul: ex.GroupedMatmul) -> jax.Array:
+def _dropless(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, *, P: int, matmul: GroupedMatmul) -> jax.Array:
     """Dropless outputs per assignment (A, D): worst-case (P, A) buffers, a grouped matmul over the R rows."""
     T, K = experts_TK.shape
     A, D, E_local = T * K, x_TD.shape[1], gate_EDF.shape[0]
@@ -63,8 +64,8 @@ def _dropless(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, *, P: int, matmul: e
 def expert_parallel_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, gate_EDF: jax.Array,
                         up_EDF: jax.Array, down_EFD: jax.Array, *, mesh: Mesh | AbstractMesh,
                         capacity_factor: float | None, capacity_group_rows: int = 1,
-                        impl: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """`layers.experts.expert_ffn` on global arrays inside `jit`, with the experts split over `expert` (E % P == 0),
+                        impl: str = "ragged") -> tuple[jax.Array, jax.Array]:
+    """`model.experts.expert_ffn` on global arrays inside `jit`, with the experts split over `expert` (E % P == 0),
     their F dim over `tensor`, and tokens over the data axes (data, fsdp, expert) and `context`.
 
     Returns y and the global count of dropped assignments, the same as `expert_ffn` on one device computes.
@@ -125,7 +126,7 @@ def _expert_parallel(x_BSD, experts_BSK, weights_BSK, gate_EDF, up_EDF, down_EFD
     K = experts_BSK.shape[-1]
     x_TD, experts_TK = x_BSD.reshape(B * S, D), experts_BSK.reshape(B * S, K)
     if capacity_factor is None:
-        matmul = ex.matmul_for(impl, x_BSD.dtype, D, gate_EDF.shape[-1])
+        matmul = matmul_for(impl)
         out_AD = _dropless(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, P=P, matmul=matmul)
         dropped = jnp.zeros((), jnp.int32)
     else:

@@ -1,4 +1,5 @@
-"""The explicit-collective kernels a layout needs, for `train.step` to install (`layers.axes.kernels`).
+"""The explicit-collective kernels a layout needs (`layout_kernels`), added to the model's `Kernels` when it is
+built for that layout (training, generation on a mesh).
 
 Pipeline stages (without context parallelism) run attention in `stage_attention`, a `shard_map` manual over every
 axis the stages' own is not: custom-partitioned kernels (cuDNN attention's partitioner) fail inside a partially
@@ -9,11 +10,11 @@ loss is a mean over tokens, so the permutation leaves it unchanged. Expert paral
 computation with `expert.expert_parallel_ffn` whenever tokens are split over devices (with `expert` = 1 too: each
 device then sorts and multiplies only its own tokens, and the Hopper grouped GEMM is never partitioned by XLA).
 With fewer K/V heads than tensor ranks, attention gets each K/V head repeated once per rank that reads it
-(`repeated_kv_heads`), in front of whichever attention kernel the layout runs. FSDP hands each dense layer its
-master weight (`linear.master_einsum`): cast on its shard before the gather, weight gradient reduced in fp32.
+(`repeated_kv_heads`), in front of whichever attention kernel the layout runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -22,35 +23,33 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from mlm_jax.config import Config
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.attention import local_attention
-from mlm_jax.layers.linear import master_einsum
+from mlm_jax.model import axes as ax
+from mlm_jax.model.attention import local_attention
+from mlm_jax.model.kernels import Kernels
 from mlm_jax.parallel.context import context_attention, load_balance_order
 from mlm_jax.parallel.expert import expert_parallel_ffn
 
 
-def parallel_kernels(cfg: Config, mesh: Mesh, degrees: dict[str, int],
-                     resolver: Callable) -> tuple[dict[str, Callable], Callable | None]:
-    """(kernels by name, batch preparation or None) for this layout; `resolver` lays out activations by the rules
-    table (`sharding.activation_resolver`)."""
-    kernels, prepare = {}, None
+def layout_kernels(kernels: Kernels, mesh: Mesh, degrees: dict[str, int], *, resolver: Callable,
+                   kv_heads: int | None, moe: bool, context_strategy: str = "allgather",
+                   seq_len: int | None = None) -> tuple[Kernels, Callable | None]:
+    """(`kernels` with this layout's replacements, batch preparation or None): `degrees` of the mesh's axes (a
+    training layout's; generation passes those of the model's mesh without stages or context), `kv_heads` (None for
+    latent attention), `moe` whether the model has experts; `resolver` lays out activations by the rules table
+    (`sharding.activation_resolver`); `seq_len` orders a context-parallel batch."""
+    attend, expert_ffn, prepare = None, None, None
     cp = degrees["context"]
     if degrees["stage"] > 1 and cp == 1:
-        kernels[ax.ATTENTION] = functools.partial(stage_attention, resolver=resolver)
+        attend = functools.partial(stage_attention, resolver=resolver)
     if cp > 1:
-        kernels[ax.ATTENTION] = functools.partial(context_attention, mesh=mesh,
-                                                  strategy=cfg.parallel.context_strategy)
-        prepare = functools.partial(load_balance, perm=jnp.asarray(load_balance_order(cfg.train.seq_len, cp)))
-    if cfg.model.moe.enabled and any(degrees[a] > 1 for a in ("data", "fsdp", "context", "expert", "tensor")):
-        kernels[ax.EXPERT_FFN] = functools.partial(expert_parallel_ffn, mesh=mesh)
-    if degrees["fsdp"] > 1:  # weights gathered in the compute dtype, their gradients reduced in fp32
-        kernels[ax.MASTER_EINSUM] = master_einsum
-    t, kv = degrees["tensor"], cfg.model.kv_heads
-    if kv % t:
-        kernels[ax.ATTENTION] = functools.partial(repeated_kv_heads, repeat=t // kv,
-                                                  attention=kernels.get(ax.ATTENTION, local_attention))
-    return kernels, prepare
+        attend = functools.partial(context_attention, mesh=mesh, strategy=context_strategy)
+        prepare = functools.partial(load_balance, perm=jnp.asarray(load_balance_order(seq_len, cp)))
+    if moe and any(degrees[a] > 1 for a in ("data", "fsdp", "context", "expert", "tensor")):
+        expert_ffn = functools.partial(expert_parallel_ffn, mesh=mesh)
+    t = degrees["tensor"]
+    if kv_heads and kv_heads % t:
+        attend = functools.partial(repeated_kv_heads, repeat=t // kv_heads, attention=attend or local_attention)
+    return dataclasses.replace(kernels, attend=attend, expert_ffn=expert_ffn), prepare
 
 
 def repeated_kv_heads(q_BSNH, k_BSKH, v_BSKH, *, impl: str, repeat: int, attention: Callable,

@@ -29,11 +29,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.transformer import default_positions
+from mlm_jax.model import axes as ax
+from mlm_jax.model.transformer import default_positions
 from mlm_jax.parallel.schedule import Schedule
 from mlm_jax.parallel.split_vjp import split_pullback
-from mlm_jax.parallel.stages import STAGE, ChunkLayout
+from mlm_jax.parallel.stages import STAGE, ChunkLayout, run_chunk
 
 
 def _tables(rows) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -142,8 +142,8 @@ class _Stage:
         """Chunk v's output and each of its slots' MoE routing statistics ({} for a model without experts)."""
         x_bSD = ax.constrain(x_bSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
         pick = lambda table: None if table is None else table[v]  # noqa: E731
-        return self.model(rest).run_chunk(x_bSD, self.positions[m], chunk_pools, self.layout.chunk_slots,
-                                          pick(self.active), pick(self.local))
+        return run_chunk(self.model(rest), x_bSD, self.positions[m], chunk_pools, self.layout.chunk_slots,
+                         pick(self.active), pick(self.local))
 
     def moe_term(self, stats) -> jax.Array:
         """The chunk's share of the MoE losses in the objective: means over all MoE layers and microbatches (a slot

@@ -2,16 +2,16 @@
 
 A table is an ordered tuple of `(logical, mesh_axes)`. For each dim the first rule naming it wins; mesh axes of
 size 1, axes that do not divide the dim, and axes already used by an earlier dim of the same tensor are dropped,
-so one table serves every layout.
+so one table serves every layout (`parallel.sharding.resolve`).
+
+This module imports no jax: the config checks parse `parallel.rules` with it before jax loads.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-from jax.sharding import PartitionSpec
+from collections.abc import Sequence
 
 from mlm_jax.config import ConfigError
-from mlm_jax.layers import axes as ax
+from mlm_jax.model import axes as ax
 
 # Outer (slow links) to inner (fast). `stage` is outermost: pipeline stages are a shard_map manual over it, and the
 # kernels nested inside them (expert and context parallelism) go manual over every other axis, which jax (0.11)
@@ -83,28 +83,3 @@ def _parse_rule(rule) -> tuple[str, tuple[str, ...]]:
         if a not in MESH_AXES:
             raise ConfigError(f"parallel.rules entry {rule!r}: unknown mesh axis {a!r} (one of {', '.join(MESH_AXES)})")
     return logical, mesh_axes
-
-
-def resolve(names: Sequence[str | None], rules: Rules, mesh_shape: Mapping[str, int],
-            shape: Sequence[int] | None = None) -> PartitionSpec:
-    """PartitionSpec for a tensor whose dims carry `names` (None = unnamed, replicated)."""
-    used: set[str] = set()
-    spec = []
-    for i, name in enumerate(names):
-        kept: list[str] = []
-        if name is not None:
-            mesh_axes = next((m for logical, m in rules if logical == name), None)
-            if mesh_axes is None:
-                raise KeyError(f"no rule for logical dim {name!r}")
-            parts = 1
-            for a in mesh_axes:
-                size = mesh_shape.get(a, 1)
-                if size == 1 or a in used or a in kept or (shape is not None and shape[i] % (parts * size)):
-                    continue
-                kept.append(a)
-                parts *= size
-        used.update(kept)
-        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-    while spec and spec[-1] is None:
-        spec.pop()
-    return PartitionSpec(*spec)

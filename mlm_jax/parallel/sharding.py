@@ -2,13 +2,38 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mlm_jax.parallel.rules import DATA_AXES, Rules, resolve
+from mlm_jax.parallel.rules import DATA_AXES, Rules
+
+
+def resolve(names: Sequence[str | None], rules: Rules, mesh_shape: Mapping[str, int],
+            shape: Sequence[int] | None = None) -> PartitionSpec:
+    """PartitionSpec for a tensor whose dims carry `names` (None = unnamed, replicated)."""
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        kept: list[str] = []
+        if name is not None:
+            mesh_axes = next((m for logical, m in rules if logical == name), None)
+            if mesh_axes is None:
+                raise KeyError(f"no rule for logical dim {name!r}")
+            parts = 1
+            for a in mesh_axes:
+                size = mesh_shape.get(a, 1)
+                if size == 1 or a in used or a in kept or (shape is not None and shape[i] % (parts * size)):
+                    continue
+                kept.append(a)
+                parts *= size
+        used.update(kept)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
@@ -16,9 +41,15 @@ def mesh_shape(mesh: Mesh) -> dict[str, int]:
 
 
 def activation_resolver(mesh: Mesh, rules: Rules) -> Callable:
-    """`(names, shape) -> NamedSharding`, installed by the trainer for `layers.axes.constrain`."""
+    """`(names, shape) -> NamedSharding`: where the rules table puts an activation of these logical dims."""
     shape_of = mesh_shape(mesh)
     return lambda names, shape: NamedSharding(mesh, resolve(names, rules, shape_of, shape))
+
+
+def activation_layout(resolver: Callable) -> Callable:
+    """`(x, names) -> x` pinned to where `resolver` (`activation_resolver`) puts it: what `model.axes.constrain`
+    applies while it is installed (`model.axes.layout`)."""
+    return lambda x, names: jax.lax.with_sharding_constraint(x, resolver(names, x.shape))
 
 
 def param_specs(names_tree, shapes_tree, mesh: Mesh, rules: Rules):

@@ -13,7 +13,7 @@ Each parameter stack (`blocks`, and an MoE model's `dense_blocks`) stays canonic
 `stage` in contiguous blocks when P divides it (else whole on every stage). A stage's chunks need other layers than
 its block as soon as V > 1, the split is uneven or the layers differ by kind; `StackPool.gather` fetches those with
 one `ppermute` per stage distance, whose transpose (autodiff, or `jax.vjp`) returns the chunks' gradients to the
-canonical blocks.
+canonical blocks. `run_chunk` runs one chunk's slots with the model's own layers (`Transformer.block_fn`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlm_jax.config import ConfigError, ModelConfig
-from mlm_jax.layers.transformer import ChunkSlots, Kind
+from mlm_jax.model.transformer import Kind, Transformer
 
 STAGE = "stage"
 SPLITS = ("even", "balanced")  # or a list of chunk sizes
@@ -101,11 +101,37 @@ def chunk_sizes(split, m: ModelConfig, seq_len: int, stages: int, virtual: int) 
 
 
 @dataclass(frozen=True)
+class ChunkSlots:
+    """The layer slots every pipeline chunk has (`parallel.stages.ChunkLayout` lays them out): slot i holds a layer
+    of stack `stacks[i]` in the chunks that fill it, and none in the others where `optional[i]`; `local[i]` says
+    whether its layer attends through the sliding window, None where that differs from chunk to chunk."""
+
+    stacks: tuple[str, ...]
+    optional: tuple[bool, ...]
+    local: tuple[bool | None, ...]
+
+    def row(self, i: int) -> int:
+        """Slot i's row in its stack's chunk layers: the slots of that stack before it."""
+        return self.stacks[:i].count(self.stacks[i])
+
+    @property
+    def runs(self) -> tuple[tuple[str, int, int], ...]:
+        """The slots as runs of one stack: (stack, first slot, count)."""
+        runs: list[list] = []
+        for i, stack in enumerate(self.stacks):
+            if runs and runs[-1][0] == stack:
+                runs[-1][2] += 1
+            else:
+                runs.append([stack, i, 1])
+        return tuple(tuple(r) for r in runs)
+
+
+@dataclass(frozen=True)
 class ChunkLayout:
     """Where each chunk's layers come from: `sizes[c]` consecutive layers for chunk c = v*P + p, in model order.
 
     Every chunk runs the same `width` slots, each of one parameter stack (`kinds`, per model layer: its stack, and
-    whether it attends through the sliding window; `layers.transformer.layer_kinds`): the shortest sequence of
+    whether it attends through the sliding window; `model.transformer.layer_kinds`): the shortest sequence of
     stacks into which every chunk's sequence fits in order, a chunk's layers taking the earliest slots that fit.
     A chunk leaves the other slots empty (skipped, not computed). A slot's layer is a sliding-window one in some
     chunks and a full one in others where the pattern says so; the window is then chosen at run time, inside the
@@ -364,3 +390,63 @@ class StackPool:
                 at += n
             return jnp.take(jnp.concatenate(parts + [zero]), jnp.asarray(back)[p], axis=0)
         return jax.tree.map(one, g_chunks)
+
+
+def run_chunk(model: Transformer, x_BSD: jax.Array, positions_BS: jax.Array, pools: dict, slots: ChunkSlots,
+              active: jax.Array | None = None, local: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """A pipeline chunk of `model`'s layers: slot i runs row `slots.row(i)` of `pools[slots.stacks[i]]` (that stack's stacked chunk
+    layers) where the traced `active[i]` says, if `slots.optional[i]` (else always), as a sliding-window layer
+    where `slots.local[i]`, or, where that is None, where the traced `local[i]` says. Returns the output and
+    each slot's MoE statistics (zeros where the slot ran no MoE layer; {} for a model without experts).
+
+    Slots of one stack in a row run as `Transformer.run_blocks` does (scanned or unrolled); optional slots sit in a
+    `lax.cond` (scanned: every slot of the run, one body). A slot never chooses between stacks: the stages
+    take different branches at the same tick, and a branch must not own a collective another lacks.
+    """
+    stats = {}
+    if hasattr(model.blocks, "moe"):  # an MoE model: its MoE layers' statistics
+        layer0 = jax.tree.map(lambda w: w[0], pools["blocks"])
+        stats = jax.eval_shape(model.block_fn(("blocks", False)), x_BSD, positions_BS, layer0)[1]
+
+    def zeros():
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
+
+    def layer(stack, x_BSD, layer_state, on, is_local):
+        block = model.block_fn((stack, is_local))
+
+        def run(x_BSD, layer_state):
+            y_BSD, layer_stats = block(x_BSD, positions_BS, layer_state)
+            return y_BSD, layer_stats or zeros()  # a dense layer of an MoE model: no routing
+
+        if on is None:
+            return run(x_BSD, layer_state)
+        return jax.lax.cond(on, run, lambda x_BSD, _: (x_BSD, zeros()), x_BSD, layer_state)
+
+    out = []
+    for stack, start, count in slots.runs:
+        row = slots.row(start)
+        weights = jax.tree.map(lambda w: w[row:row + count], pools[stack])
+        part = range(start, start + count)
+        on = active[start:start + count] if any(slots.optional[i] for i in part) else None
+        kinds = {slots.local[i] for i in part}
+        if model.scan_layers:
+            static = kinds.pop() if len(kinds) == 1 else None  # None: a choice per chunk
+            flags = None
+            if static is None:
+                flags = jnp.stack([local[i] if slots.local[i] is None else jnp.asarray(slots.local[i])
+                                   for i in part])
+
+            def body(x_BSD, xs, stack=stack, static=static):
+                w, o, f = xs
+                return layer(stack, x_BSD, w, o, static if f is None else f)
+            x_BSD, run_stats = jax.lax.scan(body, x_BSD, (weights, on, flags))
+        else:
+            run_stats = []
+            for j, i in enumerate(part):
+                is_local = local[i] if slots.local[i] is None else slots.local[i]
+                x_BSD, layer_stats = layer(stack, x_BSD, jax.tree.map(lambda w: w[j], weights),
+                                           None if on is None else on[j], is_local)
+                run_stats.append(layer_stats)
+            run_stats = jax.tree.map(lambda *s: jnp.stack(s), *run_stats)
+        out.append(run_stats)
+    return x_BSD, jax.tree.map(lambda *s: jnp.concatenate(s), *out) if stats else {}

@@ -5,7 +5,8 @@ import argparse
 import sys
 import traceback
 
-from mlm_jax.config import ConfigError, load_config, to_yaml
+from mlm_jax.config import ConfigError, to_yaml
+from mlm_jax.validation.config import load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
         from mlm_jax.parallel import distributed
         joined = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                         args.local_device_ids, args.heartbeat_timeout)
-        from mlm_jax.train.checkpoint import CheckpointError  # jax is imported only when there is work to do
+        from mlm_jax.checkpoint.state import CheckpointError  # jax is imported only when there is work to do
         from mlm_jax.train.loop import Trainer, TrainingStopped
         try:
             Trainer(cfg).fit()

@@ -16,26 +16,25 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from mlm_jax import data as data_lib
-from mlm_jax.data.dataset import build_datasets
+from mlm_jax.checkpoint import state as ckpt
 from mlm_jax.config import Config, ConfigError, to_yaml
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.transformer import STACKS, layer_kinds
+from mlm_jax.data.dataset import build_datasets
+from mlm_jax.eval.tasks import evaluate_training
+from mlm_jax.infer.generate import generate
+from mlm_jax.model import axes as ax
+from mlm_jax.model.transformer import STACKS, layer_kinds, model_spec
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import any_process, shared_time
-from mlm_jax.parallel.mesh import build_mesh, dcn_degrees
-from mlm_jax.parallel.kernels import parallel_kernels
 from mlm_jax.parallel.pipeline import pipeline_loss, pipeline_value_and_grad
-from mlm_jax.parallel.stages import ChunkLayout, chunk_sizes
 from mlm_jax.parallel.schedule import SCHEDULES, Schedule
-from mlm_jax.parallel.rules import make_rules, resolve
-from mlm_jax.train import checkpoint as ckpt
+from mlm_jax.parallel.stages import ChunkLayout, chunk_sizes
+from mlm_jax.setup import setup
 from mlm_jax.train import metrics as mt
 from mlm_jax.train.loss import head_loss
 from mlm_jax.train.optimizer import make_optimizer, schedule
-from mlm_jax.train.state import (TrainState, abstract_state, init_params, init_state, model_spec,
-                                 opt_state_shardings, state_shardings)
-from mlm_jax.train.step import make_eval_step, make_grad_fn, make_train_step
-from mlm_jax.validation import check_resume, plan
+from mlm_jax.train.state import TrainState, abstract_state, init_params, init_state, opt_state_shardings, state_shardings
+from mlm_jax.train.step import StepPlan, eval_loss, gradients, train_step
+from mlm_jax.validation.config import check_resume
 
 
 class TrainingStopped(RuntimeError):
@@ -52,7 +51,8 @@ class Trainer:
     def __init__(self, cfg: Config, devices=None, *, keep_gradients: bool = False):
         devices = list(devices) if devices is not None else jax.devices()
         self.keep_gradients, self.last_gradients = keep_gradients, None
-        self.plan = plan(cfg, devices)  # every rule checked before anything is traced or written
+        self.setup = setup(cfg, devices)  # every rule checked before anything is traced or written
+        self.plan = self.setup.plan
         self.degrees, self.accum_steps = self.plan.degrees, self.plan.accum_steps
         if cfg.train.output_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(shared_time()))  # one name on every process
@@ -62,9 +62,7 @@ class Trainer:
                 cfg.checkpoint, dir=os.path.join(cfg.train.output_dir, "checkpoints")))
         self.cfg = cfg
         self.is_main = jax.process_index() == 0
-        self.mesh = build_mesh(self.degrees, devices, dcn_degrees(cfg))
-        self.rules = make_rules(cfg.parallel.rules, cfg.parallel.sequence_parallel)
-        self.resolver = shd.activation_resolver(self.mesh, self.rules)
+        self.mesh, self.rules, self.resolver = self.setup.mesh, self.setup.rules, self.setup.resolver
 
         self._build_data()
         self._build_state()
@@ -87,11 +85,11 @@ class Trainer:
         self.loader = data_lib.StepLoader(self.data.train, t.seq_len, t.global_batch_size, t.seed)
         shape_of = shd.mesh_shape(self.mesh)
         self.batch_sharding = NamedSharding(
-            self.mesh, resolve((ax.ACT_BATCH, None), self.rules, shape_of, (t.global_batch_size, t.seq_len)))
+            self.mesh, shd.resolve((ax.ACT_BATCH, None), self.rules, shape_of, (t.global_batch_size, t.seq_len)))
 
     def _build_state(self) -> None:
         cfg, mesh = self.cfg, self.mesh
-        self.spec = model_spec(cfg.model)
+        self.spec = model_spec(cfg.model, self.plan.kernels)  # the model as one device runs it (`model`)
         self.param_specs = shd.param_specs(self.spec.names, self.spec.shapes, mesh, self.rules)
         if cfg.parallel.shard_optimizer:
             self.master_specs = jax.tree.map(lambda s, x: shd.zero1_spec(s, x.shape, mesh), self.param_specs,
@@ -154,12 +152,13 @@ class Trainer:
         """Jits the train, gradient and eval steps; `schedule` and `chunks` (the config's pipeline and layer split
         by default) may also run the pipeline executor on a stage axis of size 1, which
         `benchmarks/pipeline_overhead.py` measures."""
-        cfg = self.cfg
-        zero1 = cfg.parallel.shard_optimizer
+        cfg, su = self.cfg, self.setup
         p = cfg.parallel
         if schedule is None and self.degrees["stage"] > 1:
             schedule = SCHEDULES[p.pipeline_schedule](self.degrees["stage"], p.virtual_stages, self.accum_steps)
         moe = cfg.model.moe if cfg.model.moe.enabled else None
+        compute_dtype = jnp.dtype(cfg.model.dtype)
+        eval_graphdef = model_spec(cfg.model, su.kernels).graphdef
         self.schedule, self.chunks, pipeline, forward = schedule, None, None, None
         if schedule is not None:
             split = p.pipeline_layers if self.degrees["stage"] > 1 else "even"
@@ -168,27 +167,30 @@ class Trainer:
                                                 layer_kinds(cfg.model))
             kw = dict(mesh=self.mesh, schedule=schedule, moe=moe, layout=self.chunks,
                       loss_fn=functools.partial(head_loss, chunks=cfg.train.loss_chunks))
-            pipeline = functools.partial(pipeline_value_and_grad, self.spec.graphdef,
-                                         compute_dtype=jnp.dtype(cfg.model.dtype), **kw)
-            forward = functools.partial(pipeline_loss, self.spec.graphdef, **kw)
-        kernels, prepare = parallel_kernels(cfg, self.mesh, self.degrees, self.resolver)
-        grads = make_grad_fn(
-            self.spec.graphdef, accum_steps=self.accum_steps, resolver=self.resolver,
-            master_shardings=self.master_shardings,
-            compute_shardings=shd.named(self.mesh, self.param_specs) if zero1 else None,
-            compute_dtype=jnp.dtype(cfg.model.dtype), pipeline=pipeline, moe=moe, kernels=kernels, prepare=prepare,
-            per_layer=() if cfg.model.scan_layers else STACKS, loss_chunks=cfg.train.loss_chunks)
-        step = make_train_step(self.tx, grads, lr_schedule=self.lr_schedule, moe=moe,
-                               keep_gradients=self.keep_gradients)
+            pipeline = functools.partial(pipeline_value_and_grad, eval_graphdef, compute_dtype=compute_dtype, **kw)
+            forward = functools.partial(pipeline_loss, eval_graphdef, **kw)
+        step_plan = StepPlan(
+            graphdef=eval_graphdef, accum_steps=self.accum_steps, master_shardings=self.master_shardings,
+            layout=lambda: su.layout,
+            compute_shardings=shd.named(self.mesh, self.param_specs) if p.shard_optimizer else None,
+            compute_dtype=compute_dtype, moe=moe, loss_chunks=cfg.train.loss_chunks,
+            per_layer=() if cfg.model.scan_layers else STACKS, prepare=su.prepare, pipeline=pipeline,
+            pipeline_loss=forward)
+        if step_plan.per_layer_stacks(self.spec.shapes):  # accumulated per layer: weight gradients in fp32
+            step_plan = dataclasses.replace(step_plan, graphdef=model_spec(
+                cfg.model, dataclasses.replace(su.kernels, master=True)).graphdef)
+        self.step_plan = step_plan
+        step = functools.partial(train_step, step_plan, self.tx, self.lr_schedule,
+                                 keep_gradients=self.keep_gradients)
         shardings = state_shardings(self.state)
         batch_shardings = {"inputs": self.batch_sharding, "targets": self.batch_sharding}
         kept = (self.master_shardings,) if self.keep_gradients else ()
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
                                    out_shardings=(shardings, None, *kept), donate_argnums=0)
-        self._grads = jax.jit(grads, in_shardings=(self.master_shardings, batch_shardings),
+        self._grads = jax.jit(functools.partial(gradients, step_plan),
+                              in_shardings=(self.master_shardings, batch_shardings),
                               out_shardings=(None, self.master_shardings))
-        self._eval_step = jax.jit(make_eval_step(self.spec.graphdef, self.resolver, moe, kernels, prepare, forward,
-                                                 cfg.train.loss_chunks),
+        self._eval_step = jax.jit(functools.partial(eval_loss, dataclasses.replace(step_plan, graphdef=eval_graphdef)),
                                   in_shardings=(self.master_shardings, batch_shardings))
         self._compiled = None
 
@@ -230,13 +232,11 @@ class Trainer:
 
     def generate(self, prompts, **kwargs) -> list[list[int]]:
         """`mlm_jax.generate` on the current weights, laid out as they train (same mesh and rules table)."""
-        from mlm_jax.generate import generate
         return generate(self.model, prompts, rules=self.rules, **kwargs)
 
     def evaluate_tasks(self) -> dict[str, float]:
         """`eval.tasks` through lm-evaluation-harness on the current weights, with the run's tokenizer and
         `train.seq_len` as the context: `eval/<task>/<metric>` for each number it reports."""
-        from mlm_jax.eval.tasks import evaluate_training
         return evaluate_training(self.model, self.cfg)
 
     def save(self) -> None:
@@ -350,7 +350,7 @@ class Trainer:
               f"{cfg.train.seq_len} tokens, {self.accum_steps} microbatch(es) | compiled in "
               f"{self.compile_time_s:.1f}s | output {cfg.train.output_dir}")
         print(f"data: {self.data.description}")
-        experts = f" | experts: {self.plan.experts}" if self.plan.experts else ""
+        experts = f" | experts: {self.plan.experts}" if self.plan.experts else ""  # what `plan.kernels` runs
         print(f"kernels: attention: {self.plan.attention}{experts}")
         if self.schedule is not None:
             s = self.schedule

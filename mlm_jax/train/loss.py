@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mlm_jax.layers import axes as ax
+from mlm_jax.model import axes as ax
 
 
 def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:

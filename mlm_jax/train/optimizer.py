@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 
 from mlm_jax.config import OptimConfig
-from mlm_jax.layers.fp8 import HISTORY
+from mlm_jax.ops.fp8 import HISTORY
 
 NO_DECAY = ("scale", "bias", HISTORY)  # norm scales, biases, fp8 histories (leaf names in the parameter tree)
 

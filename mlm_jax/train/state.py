@@ -1,7 +1,7 @@
 """Train state and its sharded creation: eval_shape -> shardings -> jit(init, out_shardings=...)."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,27 +10,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.layers.transformer import Transformer
-
-
-class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar: steps taken, skipped ones included (the data position)
-    params: Any  # nested dict of fp32 master weights
-    opt_state: optax.OptState
-    skipped_steps: jax.Array  # int32 scalar: updates dropped for a non-finite loss or gradient
-
-
-class ModelSpec(NamedTuple):
-    graphdef: nnx.GraphDef
-    shapes: Any  # nested dict of ShapeDtypeStruct
-    names: Any  # nested dict of PartitionSpec holding logical dim names
-
-
-def model_spec(m: ModelConfig) -> ModelSpec:
-    """The model's structure, parameter shapes and logical names, without allocating anything."""
-    abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))
+from mlm_jax.checkpoint.state import TrainState
+from mlm_jax.model.transformer import Transformer
 
 
 def init_params(m: ModelConfig, seed: int, shardings) -> Any:

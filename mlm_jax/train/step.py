@@ -1,7 +1,11 @@
-"""The train step: one pure function (forward, backward, gradient accumulation, AdamW, non-finite skip)."""
+"""The train step: one pure function (forward, backward, gradient accumulation, AdamW, non-finite skip), built from
+module-level functions over a small `StepPlan`."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,28 +14,64 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import MoEConfig
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.fp8 import is_history
-from mlm_jax.layers.linear import master_einsum
+from mlm_jax.model import axes as ax
+from mlm_jax.model.moe import moe_metrics
+from mlm_jax.ops.fp8 import is_history
 from mlm_jax.train.loss import head_loss
 from mlm_jax.train.state import TrainState
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, moe: MoEConfig | None = None, loss_chunks: int = 1) -> Callable:
-    """`loss_fn(params, batch) -> (objective, metrics)`: the objective adds the MoE losses to the cross-entropy,
-    which `metrics["loss"]` reports alone. MoE losses are means over the MoE layers. `loss_chunks`: the head and
-    cross-entropy over that many slices of the sequence (`train.loss.head_loss`)."""
-    def loss_fn(params, batch) -> tuple[jax.Array, dict]:
-        model = nnx.merge(graphdef, params)
-        x_BSD, stats = model.hidden(batch["inputs"], batch.get("positions"))
-        loss = head_loss(model, x_BSD, batch["targets"], loss_chunks)
-        if not stats:
-            return loss, {"loss": loss}
-        aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
-        metrics = {"loss": loss, "moe_aux_loss": aux, "moe_z_loss": z, "moe_dropped": stats["dropped"],
-                   "moe_load": stats["load"]}
-        return loss + moe.aux_loss_coef * aux + moe.z_loss_coef * z, metrics
-    return loss_fn
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step is made of. `graphdef`: the model with the kernels of the layout (and, accumulating per layer,
+    products from the master weights); `layout`: the activation layout to trace under (`model.axes.layout`);
+    `prepare(batch)` rewrites the batch once before anything else (context parallelism's load-balancing order).
+
+    With `compute_shardings` (ZeRO-1), the sharded fp32 master weights are cast to `compute_dtype` and gathered
+    into the compute layout once per step; gradients come back reduce-scattered into the master layout.
+    `pipeline(params, batch) -> (metrics, grads)` replaces autodiff and the accumulation scan: it runs the
+    microbatches through the pipeline stages itself; `pipeline_loss(params, batch)` is its forward for evaluation.
+
+    `per_layer`: the stacked weight collections that the model takes apart into layers (`split_layers`, unrolled
+    layers). Accumulating, each of their layers then keeps its own fp32 sum and its weight gradients come from
+    fp32 products (`linear.master_einsum`), so that XLA adds a layer's gradient into its sum in the epilogue of the
+    product that makes it, where the memory traffic hides under the matmul, rather than in passes of their own over
+    every gradient, stacked, per microbatch. Not with ZeRO-1, whose gradients are reduce-scattered per microbatch.
+    """
+
+    graphdef: nnx.GraphDef
+    accum_steps: int
+    master_shardings: Any
+    layout: Callable  # () -> the context manager of the activation layout
+    compute_shardings: Any = None
+    compute_dtype: Any = jnp.float32
+    moe: MoEConfig | None = None
+    loss_chunks: int = 1
+    per_layer: tuple[str, ...] = ()
+    prepare: Callable | None = None
+    pipeline: Callable | None = None
+    pipeline_loss: Callable | None = None
+
+    def per_layer_stacks(self, params) -> tuple[str, ...]:
+        """The stacks accumulated one sum per layer in this step (see the class), or () for one sum per leaf."""
+        stacks = tuple(k for k in self.per_layer if k in params)
+        if self.accum_steps == 1 or self.pipeline is not None or self.compute_shardings is not None:
+            return ()
+        return stacks
+
+
+def objective(plan: StepPlan, params, batch) -> tuple[jax.Array, dict]:
+    """(objective, metrics): the objective adds the MoE losses to the cross-entropy, which `metrics["loss"]`
+    reports alone. MoE losses are means over the MoE layers. `plan.loss_chunks`: the head and cross-entropy over
+    that many slices of the sequence (`train.loss.head_loss`)."""
+    model = nnx.merge(plan.graphdef, params)
+    x_BSD, stats = model.hidden(batch["inputs"], batch.get("positions"))
+    loss = head_loss(model, x_BSD, batch["targets"], plan.loss_chunks)
+    if not stats:
+        return loss, {"loss": loss}
+    metrics = moe_metrics(loss, stats)
+    return loss + plan.moe.aux_loss_coef * metrics["moe_aux_loss"] + plan.moe.z_loss_coef * metrics["moe_z_loss"], \
+        metrics
 
 
 def load_imbalance(load_LE: jax.Array) -> jax.Array:
@@ -48,173 +88,151 @@ def update_router_bias(params, load_LE: jax.Array, rate: float):
                                                               "router": {**router, "bias": bias}}}}
 
 
-def make_grad_fn(graphdef, *, accum_steps: int, resolver: Callable, master_shardings, compute_shardings=None,
-                 compute_dtype=jnp.float32, pipeline: Callable | None = None, moe: MoEConfig | None = None,
-                 kernels: dict | None = None, prepare: Callable | None = None,
-                 per_layer: tuple[str, ...] = (), loss_chunks: int = 1) -> Callable:
-    """`grads(params, batch) -> (metrics, gradients)`: the mean loss and gradient over the batch, each gradient in
-    its master weight's dtype and layout.
-
-    `kernels` (by `axes` kernel name) replace layer computations that need explicit collectives; `prepare(batch)`
-    rewrites the batch once before anything else (context parallelism's load-balancing permutation).
-
-    With `compute_shardings` (ZeRO-1), the sharded fp32 master weights are cast to `compute_dtype` and gathered
-    into the compute layout once per step; gradients come back reduce-scattered into the master layout.
-    `pipeline(params, batch) -> (metrics, grads)` replaces autodiff and the accumulation scan: it runs the
-    microbatches through the pipeline stages itself.
-
-    `per_layer`: the stacked weight collections that the model takes apart into layers (`split_layers`, unrolled
-    layers). Accumulating, each of their layers then keeps its own fp32 sum and its weight gradients come from
-    fp32 products (`linear.master_einsum`), so that XLA adds a layer's gradient into its sum in the epilogue of the
-    product that makes it, where the memory traffic hides under the matmul, rather than in passes of their own over
-    every gradient, stacked, per microbatch. Not with ZeRO-1, whose gradients are reduce-scattered per microbatch.
-    """
-    loss_fn = make_loss_fn(graphdef, moe, loss_chunks)
-    if pipeline is None:
-        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-    else:
-        def value_and_grad(params, batch):
-            metrics, grads = pipeline(params, batch)
-            return (metrics["loss"], metrics), grads
-
-    def grads_of(params, batch):
-        """(metrics, gradients) of one (micro)batch."""
-        if compute_shardings is None:
-            (_, metrics), grads = value_and_grad(params, batch)
-            return metrics, grads
-        compute = jax.lax.with_sharding_constraint(jax.tree_util.tree_map_with_path(
-            lambda path, p: p if is_history(path) else p.astype(compute_dtype), params), compute_shardings)
-        (_, metrics), grads = value_and_grad(compute, batch)
-        return metrics, to_master(grads)
-
-    def to_master(grads):
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return jax.lax.with_sharding_constraint(grads, master_shardings)
-
-    def add(grad_sum, grads):
-        """The microbatch's gradients added to the fp32 sums; a delayed-scaling history's "gradient" (the history
-        one step on) takes the max over the microbatches instead."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, s, g: jnp.maximum(s, g) if is_history(path) else s + g.astype(jnp.float32), grad_sum, grads)
-
-    def mean(grad_sum):
-        return jax.tree_util.tree_map_with_path(lambda path, s: s if is_history(path) else s / accum_steps, grad_sum)
-
-    def microbatches(batch):
-        """The batch as [b / A, A, s]: row j*A + a of the batch is in microbatch a, so every microbatch keeps the
-        batch's data-parallel split without moving rows."""
-        return jax.tree.map(lambda x_BS: ax.constrain(x_BS.reshape(x_BS.shape[0] // accum_steps, accum_steps,
-                                                                   x_BS.shape[1]), (ax.ACT_BATCH, None, None)), batch)
-
-    def microbatch(micro, a):
-        return jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
-
-    def accumulate(params, batch):
-        """Mean loss and gradient over `accum_steps` microbatches (`microbatches`)."""
-        micro = microbatches(batch)
-
-        def body(grad_sum, a):
-            mb = microbatch(micro, a)
-            metrics, grads = grads_of(params, mb)
-            return to_master(add(grad_sum, grads)), metrics
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        grad_sum, metrics_A = jax.lax.scan(body, to_master(zeros), jnp.arange(accum_steps))
-        return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A), mean(grad_sum)
-
-    def accumulate_per_layer(params, batch, stacks):
-        """`accumulate` with one sum per layer of `stacks` (see `per_layer`)."""
-        micro = microbatches(batch)
-        counts = {k: jax.tree.leaves(params[k])[0].shape[0] for k in stacks}
-
-        def spread(tree, take):
-            return {**dict(tree), **{k: [jax.tree.map(lambda w, i=i: take(w, i), tree[k]) for i in range(n)]
-                                     for k, n in counts.items()}}
-
-        def gather(tree):
-            return {**tree, **{k: jax.tree.map(lambda *ws: jnp.stack(ws), *tree[k]) for k in stacks}}
-
-        layer_shardings = spread(master_shardings, lambda s, _: jax.NamedSharding(s.mesh, P(*s.spec[1:])))
-        value_and_grad = jax.value_and_grad(lambda p, mb: loss_fn(gather(p), mb), has_aux=True)
-
-        def body(grad_sum, a):
-            mb = microbatch(micro, a)
-            # taken apart here, each layer's weights are read where they are used (taken apart before the loop,
-            # they would be copied out of the stacks)
-            (_, metrics), grads = value_and_grad(spread(params, lambda w, i: w[i]), mb)
-            return jax.lax.with_sharding_constraint(add(grad_sum, grads), layer_shardings), metrics
-
-        zeros = spread(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), lambda w, i: w[i])
-        with ax.kernels(**{ax.MASTER_EINSUM: master_einsum}):
-            grad_sum, metrics_A = jax.lax.scan(body, zeros, jnp.arange(accum_steps))
-        return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A), to_master(mean(gather(grad_sum)))
-
-    def grads_fn(params, batch):
-        with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
-            if prepare is not None:
-                batch = prepare(batch)
-            stacks = tuple(k for k in per_layer if k in params)
-            if accum_steps == 1 or pipeline is not None:
-                metrics, grads = grads_of(params, batch)
-            elif stacks and compute_shardings is None:
-                metrics, grads = accumulate_per_layer(params, batch, stacks)
-            else:
-                metrics, grads = accumulate(params, batch)
-        # Accumulators and the ZeRO-1 path are fp32: back to each master weight's dtype, so that the optimizer
-        # state keeps the dtype it was created with (bf16 master weights with accumulation).
-        return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-
-    return grads_fn
+# -- gradients ------------------------------------------------------------------------------------------------------
+def _value_and_grad(plan: StepPlan, params, batch):
+    """((loss, metrics), gradients) of one (micro)batch, by autodiff or through the pipeline."""
+    if plan.pipeline is None:
+        return jax.value_and_grad(functools.partial(objective, plan), has_aux=True)(params, batch)
+    metrics, grads = plan.pipeline(params, batch)
+    return (metrics["loss"], metrics), grads
 
 
-def make_train_step(tx: optax.GradientTransformation, grads_fn: Callable, *, lr_schedule: optax.Schedule,
-                    moe: MoEConfig | None = None, keep_gradients: bool = False) -> Callable:
-    """`step(state, batch) -> (state, metrics)`: `grads_fn` (`make_grad_fn`), then AdamW; a step whose loss or
-    gradient is not finite leaves the weights and the optimizer state as they were and is counted. A
-    delayed-scaling history (`fp8.is_history`) takes its "gradient", the history one step on, in place of an
-    update; AdamW sees a zero gradient there (and decays no history: `optimizer.NO_DECAY`).
-
-    `keep_gradients`: `step(state, batch) -> (state, metrics, gradients)`, the gradients as `grads_fn` returns
-    them (a program output: written to memory, where AdamW alone would read them where the backward leaves them)."""
-
-    def step(state: TrainState, batch) -> tuple:
-        metrics, raw = grads_fn(state.params, batch)
-        grads = jax.tree_util.tree_map_with_path(lambda path, g: jnp.zeros_like(g) if is_history(path) else g, raw)
-        loss = metrics["loss"]
-        with jax.named_scope("optimizer"):
-            grad_norm = optax.tree.norm(grads)
-            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            params = jax.tree_util.tree_map_with_path(lambda path, p, g: g if is_history(path) else p, params, raw)
-            if moe is not None and moe.router_bias_update:
-                params = update_router_bias(params, metrics["moe_load"], moe.router_bias_update)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-            new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
-                                   opt_state=keep(opt_state, state.opt_state),
-                                   skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32))
-        metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
-                   "skipped_steps": new_state.skipped_steps}
-        if "moe_load" in metrics:
-            metrics["moe_load_max_mean"] = load_imbalance(metrics.pop("moe_load"))
-        return (new_state, metrics, raw) if keep_gradients else (new_state, metrics)
-
-    return step
+def _to_master(plan: StepPlan, grads):
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    return jax.lax.with_sharding_constraint(grads, plan.master_shardings)
 
 
-def make_eval_step(graphdef, resolver: Callable, moe: MoEConfig | None = None, kernels: dict | None = None,
-                   prepare: Callable | None = None, pipeline_loss: Callable | None = None,
-                   loss_chunks: int = 1) -> Callable:
-    """`eval_step(params, batch) -> cross-entropy` (without the MoE losses); `pipeline_loss(params, batch)` runs
-    it through the pipeline stages."""
-    loss_fn = make_loss_fn(graphdef, moe, loss_chunks)
+def _grads_of(plan: StepPlan, params, batch) -> tuple[dict, Any]:
+    """(metrics, gradients) of one (micro)batch; under ZeRO-1 from the compute copy, back in the master layout."""
+    if plan.compute_shardings is None:
+        (_, metrics), grads = _value_and_grad(plan, params, batch)
+        return metrics, grads
+    compute = jax.lax.with_sharding_constraint(jax.tree_util.tree_map_with_path(
+        lambda path, p: p if is_history(path) else p.astype(plan.compute_dtype), params), plan.compute_shardings)
+    (_, metrics), grads = _value_and_grad(plan, compute, batch)
+    return metrics, _to_master(plan, grads)
 
-    def eval_step(params, batch):
-        with ax.activation_resolver(resolver), ax.kernels(**(kernels or {})):
-            if prepare is not None:
-                batch = prepare(batch)
-            if pipeline_loss is not None:
-                return pipeline_loss(params, batch)
-            return loss_fn(params, batch)[1]["loss"]
 
-    return eval_step
+def _add(grad_sum, grads):
+    """The microbatch's gradients added to the fp32 sums; a delayed-scaling history's "gradient" (the history one
+    step on) takes the max over the microbatches instead."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s, g: jnp.maximum(s, g) if is_history(path) else s + g.astype(jnp.float32), grad_sum, grads)
+
+
+def _mean(plan: StepPlan, grad_sum):
+    return jax.tree_util.tree_map_with_path(lambda path, s: s if is_history(path) else s / plan.accum_steps,
+                                            grad_sum)
+
+
+def _microbatches(plan: StepPlan, batch):
+    """The batch as [b / A, A, s]: row j*A + a of the batch is in microbatch a, so every microbatch keeps the
+    batch's data-parallel split without moving rows."""
+    A = plan.accum_steps
+    return jax.tree.map(lambda x_BS: ax.constrain(x_BS.reshape(x_BS.shape[0] // A, A, x_BS.shape[1]),
+                                                  (ax.ACT_BATCH, None, None)), batch)
+
+
+def _microbatch(micro, a):
+    return jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
+
+
+def _accumulate(plan: StepPlan, params, batch):
+    """Mean loss and gradient over `plan.accum_steps` microbatches (`_microbatches`)."""
+    micro = _microbatches(plan, batch)
+
+    def body(grad_sum, a):
+        metrics, grads = _grads_of(plan, params, _microbatch(micro, a))
+        return _to_master(plan, _add(grad_sum, grads)), metrics
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grad_sum, metrics_A = jax.lax.scan(body, _to_master(plan, zeros), jnp.arange(plan.accum_steps))
+    return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A), _mean(plan, grad_sum)
+
+
+def _accumulate_per_layer(plan: StepPlan, params, batch, stacks):
+    """`_accumulate` with one sum per layer of `stacks` (see `StepPlan`)."""
+    micro = _microbatches(plan, batch)
+    counts = {k: jax.tree.leaves(params[k])[0].shape[0] for k in stacks}
+
+    def spread(tree, take):
+        return {**dict(tree), **{k: [jax.tree.map(lambda w, i=i: take(w, i), tree[k]) for i in range(n)]
+                                 for k, n in counts.items()}}
+
+    def gather(tree):
+        return {**tree, **{k: jax.tree.map(lambda *ws: jnp.stack(ws), *tree[k]) for k in stacks}}
+
+    layer_shardings = spread(plan.master_shardings, lambda s, _: jax.NamedSharding(s.mesh, P(*s.spec[1:])))
+    value_and_grad = jax.value_and_grad(lambda p, mb: objective(plan, gather(p), mb), has_aux=True)
+
+    def body(grad_sum, a):
+        mb = _microbatch(micro, a)
+        # taken apart here, each layer's weights are read where they are used (taken apart before the loop,
+        # they would be copied out of the stacks)
+        (_, metrics), grads = value_and_grad(spread(params, lambda w, i: w[i]), mb)
+        return jax.lax.with_sharding_constraint(_add(grad_sum, grads), layer_shardings), metrics
+
+    zeros = spread(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), lambda w, i: w[i])
+    grad_sum, metrics_A = jax.lax.scan(body, zeros, jnp.arange(plan.accum_steps))
+    return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A), _to_master(plan, _mean(plan, gather(grad_sum)))
+
+
+def gradients(plan: StepPlan, params, batch) -> tuple[dict, Any]:
+    """(metrics, gradients): the mean loss and gradient over the batch, each gradient in its master weight's dtype
+    and layout."""
+    with plan.layout():
+        if plan.prepare is not None:
+            batch = plan.prepare(batch)
+        stacks = plan.per_layer_stacks(params)
+        if plan.accum_steps == 1 or plan.pipeline is not None:
+            metrics, grads = _grads_of(plan, params, batch)
+        elif stacks:
+            metrics, grads = _accumulate_per_layer(plan, params, batch, stacks)
+        else:
+            metrics, grads = _accumulate(plan, params, batch)
+    # Accumulators and the ZeRO-1 path are fp32: back to each master weight's dtype, so that the optimizer
+    # state keeps the dtype it was created with (bf16 master weights with accumulation).
+    return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
+# -- the step -------------------------------------------------------------------------------------------------------
+def train_step(plan: StepPlan, tx: optax.GradientTransformation, lr_schedule: optax.Schedule, state: TrainState,
+               batch, keep_gradients: bool = False) -> tuple:
+    """`(state, metrics)`: `gradients`, then AdamW; a step whose loss or gradient is not finite leaves the weights
+    and the optimizer state as they were and is counted. A delayed-scaling history (`fp8.is_history`) takes its
+    "gradient", the history one step on, in place of an update; AdamW sees a zero gradient there (and decays no
+    history: `optimizer.NO_DECAY`).
+
+    `keep_gradients`: `(state, metrics, gradients)`, the gradients as `gradients` returns them (a program output:
+    written to memory, where AdamW alone would read them where the backward leaves them)."""
+    moe = plan.moe
+    metrics, raw = gradients(plan, state.params, batch)
+    grads = jax.tree_util.tree_map_with_path(lambda path, g: jnp.zeros_like(g) if is_history(path) else g, raw)
+    loss = metrics["loss"]
+    with jax.named_scope("optimizer"):
+        grad_norm = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        params = jax.tree_util.tree_map_with_path(lambda path, p, g: g if is_history(path) else p, params, raw)
+        if moe is not None and moe.router_bias_update:
+            params = update_router_bias(params, metrics["moe_load"], moe.router_bias_update)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
+                               opt_state=keep(opt_state, state.opt_state),
+                               skipped_steps=state.skipped_steps + (~ok).astype(jnp.int32))
+    metrics = {**metrics, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
+               "skipped_steps": new_state.skipped_steps}
+    if "moe_load" in metrics:
+        metrics["moe_load_max_mean"] = load_imbalance(metrics.pop("moe_load"))
+    return (new_state, metrics, raw) if keep_gradients else (new_state, metrics)
+
+
+def eval_loss(plan: StepPlan, params, batch) -> jax.Array:
+    """The batch's cross-entropy (without the MoE losses), through the pipeline stages where there are some."""
+    with plan.layout():
+        if plan.prepare is not None:
+            batch = plan.prepare(batch)
+        if plan.pipeline_loss is not None:
+            return plan.pipeline_loss(params, batch)
+        return objective(plan, params, batch)[1]["loss"]

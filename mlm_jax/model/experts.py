@@ -15,8 +15,8 @@ their experts and back. Every expert is a SwiGLU, (silu(x @ gate_e) * (x @ up_e)
   buffer, group g in slots [g*C, (g+1)*C) of each expert, and the FFNs are batched einsums. The buffer is filled
   by scattering token indices and gathering rows, O(E*G*C*D) memory rather than a (T, E, C) one-hot.
 
-The grouped matmul is `jax.lax.ragged_dot`, or on Hopper the Pallas Mosaic-GPU kernels behind a custom VJP
-(`grouped_matmul`). The pieces below also serve expert parallelism (`parallel/expert.py`), which adds only the
+The grouped matmul is `jax.lax.ragged_dot`, or on Hopper the Pallas Mosaic-GPU kernels (`ops.grouped_matmul`), as
+the layer's kernels name it. The pieces below also serve expert parallelism (`parallel/expert.py`), which adds only the
 all-to-alls between them.
 
 Shapes: B batch, S sequence, T = B*S tokens, D model, F expert ffn, E experts, K experts per token,
@@ -25,91 +25,13 @@ A = T*K assignments (index t*K + k), C capacity slots per expert and group, R ro
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs_RK, rhs_GKN, sizes_G) -> out_RN
-_MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4)
-
-
-def grouped_matmul(matmul: GroupedMatmul, matmul_t: GroupedMatmul,
-                   wgrad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array], padded: bool = True) -> GroupedMatmul:
-    """A differentiable grouped matmul with `jax.lax.ragged_dot`'s meaning, from three kernels without autodiff.
-
-    matmul(lhs_RK, rhs_GKN, sizes_G) -> RN; matmul_t(lhs_RN, rhs_GKN, sizes_G) -> RK contracts rhs' N;
-    wgrad(lhs_RK, rhs_RN, sizes_G) -> GKN sums each group's rows. With `padded`, rows past the last group are
-    zero in the output and in d_lhs, and never reach d_rhs (kernels may leave them undefined); without, the groups
-    must cover every row, and no masking pass is spent.
-    """
-    def valid(x_RX, sizes_G):
-        if not padded:
-            return x_RX
-        return jnp.where((jnp.arange(x_RX.shape[0]) < sizes_G.sum())[:, None], x_RX, 0)
-
-    @jax.custom_vjp
-    def gmm(lhs_RK, rhs_GKN, sizes_G):
-        return valid(matmul(lhs_RK, rhs_GKN, sizes_G), sizes_G)
-
-    def fwd(lhs_RK, rhs_GKN, sizes_G):
-        return gmm(lhs_RK, rhs_GKN, sizes_G), (lhs_RK, rhs_GKN, sizes_G)
-
-    def bwd(res, d_RN):
-        lhs_RK, rhs_GKN, sizes_G = res
-        d_RN = valid(d_RN, sizes_G)
-        d_lhs_RK = valid(matmul_t(d_RN, rhs_GKN, sizes_G), sizes_G)
-        return d_lhs_RK, wgrad(valid(lhs_RK, sizes_G), d_RN, sizes_G), None
-
-    gmm.defvjp(fwd, bwd)
-    return gmm
-
-
-@functools.cache
-def _mgpu_matmul(padded: bool) -> GroupedMatmul:
-    """Hopper kernels (Pallas Mosaic GPU); imported here since they load only where Mosaic GPU is built.
-
-    Each kernel is jitted so that the layers of an unrolled model share one lowering of it (lowering a Mosaic
-    kernel is slow); the block sizes won a sweep on moe-1b's shapes on an H200 (590-650 TFLOP/s; grid_block_n=1
-    ran at about 250).
-    """
-    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
-    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
-    return grouped_matmul(
-        jax.jit(lambda x, w, sizes: ragged_dot(x, w, group_sizes=sizes, **_MGPU_BLOCKS)),
-        jax.jit(lambda dy, w, sizes: ragged_dot(dy, w, group_sizes=sizes, transpose_rhs=True, **_MGPU_BLOCKS)),
-        jax.jit(lambda x, dy, sizes: transposed_ragged_dot(x, dy, group_sizes=sizes, **_MGPU_BLOCKS)), padded)
-
-
-def mgpu_unavailable(dtype, D: int, F: int, platform: str | None = None, device_kind: str | None = None) -> str | None:
-    """Why the Mosaic-GPU kernels cannot run here, or None: they need bf16, D and F (a tensor rank's slice)
-    multiples of their 128-wide tiles, an H100/H200, and a jax built with Mosaic GPU."""
-    platform = platform or jax.default_backend()
-    if platform != "gpu":
-        return f"needs a Hopper GPU, and this run has {platform} devices"
-    kind = device_kind or jax.devices()[0].device_kind
-    if not any(name in kind for name in ("H100", "H200")):
-        return f"needs a Hopper GPU (H100/H200), not {kind}"
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        return f"needs model.dtype=bfloat16, not {jnp.dtype(dtype)}"
-    if D % 128 or F % 128:
-        return f"needs model and (per tensor rank) expert ffn dims divisible by 128, got {D} and {F}"
-    try:
-        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: F401
-    except ImportError as e:
-        return f"Mosaic GPU does not import ({e})"
-    return None
-
-
-def matmul_for(impl: str, dtype, D: int, F: int, padded: bool = True) -> GroupedMatmul:
-    """The grouped matmul `impl` names ("auto": the Mosaic-GPU kernels where they run, else ragged_dot); the
-    validation pass has already refused an `mgpu` that cannot run. `padded`: some rows belong to no group (see
-    `grouped_matmul`)."""
-    if impl == "mgpu" or (impl == "auto" and mgpu_unavailable(dtype, D, F) is None):
-        return _mgpu_matmul(padded)
-    return jax.lax.ragged_dot
+from mlm_jax.ops.grouped_matmul import GroupedMatmul, matmul_for
 
 
 def group_ranks(groups_A: jax.Array, num_groups: int) -> jax.Array:
@@ -256,19 +178,18 @@ def capacity_ffn(x_TD: jax.Array, experts_TK: jax.Array, gate_EDF: jax.Array, up
 
 def expert_ffn(x_BSD: jax.Array, experts_BSK: jax.Array, weights_BSK: jax.Array, gate_EDF: jax.Array,
                up_EDF: jax.Array, down_EFD: jax.Array, *, capacity_factor: float | None, capacity_group_rows: int = 1,
-               impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+               impl: str = "ragged") -> tuple[jax.Array, jax.Array]:
     """sum_k weights[..., k] * FFN_{experts[..., k]}(x) on one device, and the int32 count of dropped assignments.
 
     Capacity mode counts capacity per group of `capacity_group_rows` consecutive rows of the batch (B must be a
-    multiple). `impl` picks the dropless grouped matmul: "ragged" (`jax.lax.ragged_dot`), "mgpu" (Hopper, bf16,
-    D and F multiples of 128) or "auto" (mgpu where it fits, else ragged).
+    multiple). `impl` names the dropless grouped matmul (`ops.grouped_matmul.IMPLS`).
     """
     B, S, D = x_BSD.shape
     K = experts_BSK.shape[-1]
     E, _, F = gate_EDF.shape
     x_TD, experts_TK = x_BSD.reshape(B * S, D), experts_BSK.reshape(B * S, K)
     if capacity_factor is None:
-        matmul = matmul_for(impl, x_BSD.dtype, D, F, padded=False)
+        matmul = matmul_for(impl, padded=False)
         out_AD = dropless_ffn(x_TD, experts_TK, gate_EDF, up_EDF, down_EFD, matmul)
         dropped = jnp.zeros((), jnp.int32)
     else:

@@ -7,14 +7,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.linear import param
+from mlm_jax.model import axes as ax
+from mlm_jax.model.linear import master_einsum, param
 
 
 class Embed(nnx.Module):
     def __init__(self, vocab_size: int, dim: int, *, std: float, dtype, param_dtype, rngs: nnx.Rngs,
-                 scale: float = 1.0):
+                 scale: float = 1.0, master: bool = False):
         self.dtype, self.scale = dtype, scale  # embeddings are multiplied by `scale` (Gemma: sqrt(dim))
+        self.master = master  # read the master table as `Kernels.master` says (FSDP: cast before the gather)
         self.embedding = param(std * jax.random.normal(rngs.params(), (vocab_size, dim), param_dtype),
                                (ax.VOCAB, ax.EMBED))
 
@@ -23,7 +24,7 @@ class Embed(nnx.Module):
         # the token ids between devices (collective permutes) instead of gathering the table once.
         # Gathered in the parameter dtype, so repeated tokens' gradients add up in fp32 (under FSDP, `master_take`
         # gathers the compute dtype and adds them up in fp32 itself).
-        if ax.kernel(ax.MASTER_EINSUM) is not None:  # a layout that casts master weights before gathering them
+        if self.master:  # a layout that casts master weights before gathering them
             x_BSD = master_take(self.embedding[...], tokens_BS, jnp.dtype(self.dtype))
         else:
             x_BSD = jnp.take(ax.constrain(self.embedding[...], (None, None)), tokens_BS, axis=0)
@@ -32,8 +33,8 @@ class Embed(nnx.Module):
 
     def attend(self, x_BSD: jax.Array) -> jax.Array:
         """Logits through the transposed embedding (tied embeddings)."""
-        if (master := ax.kernel(ax.MASTER_EINSUM)) is not None:
-            return master("bsd,vd->bsv", x_BSD.astype(self.dtype), self.embedding[...])
+        if self.master:
+            return master_einsum("bsd,vd->bsv", x_BSD.astype(self.dtype), self.embedding[...])
         return jnp.einsum("bsd,vd->bsv", x_BSD, self.embedding[...].astype(self.dtype))
 
 

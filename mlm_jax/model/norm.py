@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.linear import param
+from mlm_jax.model import axes as ax
+from mlm_jax.model.linear import param
 
 
 class Norm(nnx.Module):

@@ -9,18 +9,21 @@ import os
 import jax
 from flax import nnx
 
-from mlm_jax.config import DTYPES
-from mlm_jax.convert import ConvertError, store
+from mlm_jax.checkpoint import weights as store
+from mlm_jax.checkpoint.weights import ConvertError
+from mlm_jax.config import DTYPES, Config, ParallelConfig
 from mlm_jax.data.tokenizer import ByteTokenizer, HFTokenizer
-from mlm_jax.layers.transformer import Transformer
-from mlm_jax.train.state import model_spec
+from mlm_jax.model.transformer import Transformer, model_spec
+from mlm_jax.parallel import sharding as shd
+from mlm_jax.setup import setup
 
 
 def load_pretrained(path: str, *, dtype: str | None = None, tensor: int = 1) -> Transformer:
     """The model of the newest checkpoint at `path` (a converted dir, a run's output dir or a checkpoints dir),
     callable as `model(tokens_BS) -> logits_BSV`: whole on the default device, or with `tensor` > 1 split over that
     many local devices by the rules table (Megatron's tensor parallelism, as in training), which `mlm_jax.generate`
-    and `mlm_jax.eval` then run on.
+    and `mlm_jax.eval` then run on. Its kernels are those the run's checks choose for these devices
+    (`mlm_jax.setup`).
 
     The architecture comes from the checkpoint itself; `dtype` overrides its compute dtype (e.g. 'float32').
     """
@@ -30,23 +33,15 @@ def load_pretrained(path: str, *, dtype: str | None = None, tensor: int = 1) -> 
         if dtype not in DTYPES:
             raise ConvertError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
         m = dataclasses.replace(m, dtype=dtype)
-    spec = model_spec(m)
-    return nnx.merge(spec.graphdef, store.restore_weights(c, spec.shapes, jax.devices()[0],
-                                                          tensor_shardings(spec, tensor)))
-
-
-def tensor_shardings(spec, tensor: int):
-    """The parameters' shardings over `tensor` local devices (None for one), from the default rules table."""
-    if tensor == 1:
-        return None
     devices = jax.local_devices()
-    if not (isinstance(tensor, int) and 1 < tensor <= len(devices)):
+    if not (isinstance(tensor, int) and 1 <= tensor <= len(devices)):
         raise ConvertError(f"tensor={tensor!r}: expected an integer from 1 to the {len(devices)} local devices")
-    from mlm_jax.parallel import sharding as shd
-    from mlm_jax.parallel.mesh import build_mesh
-    from mlm_jax.parallel.rules import MESH_AXES, make_rules
-    mesh = build_mesh({**dict.fromkeys(MESH_AXES, 1), "tensor": tensor}, devices[:tensor])
-    return shd.named(mesh, shd.param_specs(spec.names, spec.shapes, mesh, make_rules("default", False)))
+    su = setup(Config(model=m, parallel=ParallelConfig(data=1, tensor=tensor)), devices[:tensor])
+    spec = model_spec(m, su.plan.kernels)
+    shardings = None
+    if tensor > 1:
+        shardings = shd.named(su.mesh, shd.param_specs(spec.names, spec.shapes, su.mesh, su.rules))
+    return nnx.merge(spec.graphdef, store.restore_weights(c, spec.shapes, devices[0], shardings))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,12 +7,12 @@ for the attention's output projection on an H200). Here each program multiplies 
 weight over one slice of the contracted dim, walking the slice in pipelined steps (on the tensor cores from 5 rows
 on, padded to their tile height), and writes an fp32 partial product; the partials over the slices are summed
 outside: by XLA, which fuses the sum into whatever consumes the product, or by a consumer that takes them as they are
-(`add_residual`, `layers.flash_decode.step`).
+(`add_residual`, `ops.flash_decode.step`).
 
 `add_residual` is a decode step's residual add, with the sum of a product's partials, in one kernel that also leaves
 each block's sum of squares for the next RMSNorm's row factor (`RowFactor`). `gated`, a gated MLP's fused gate and
 up product with its activation, finishes that factor itself: every kernel XLA would launch between them costs a
-decode step 1 to 2 us. The attention takes XLA's factor (finished inside `layers.flash_decode`, it cost 11 us a
+decode step 1 to 2 us. The attention takes XLA's factor (finished inside `ops.flash_decode`, it cost 11 us a
 layer).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ SPLIT = (32, 64, 16)  # (block_k, block_n, splits) of a product over one contrac
 def einsum(equation: str, x: jax.Array, kernel: jax.Array, *, config: tuple[int, int, int] | None = None,
            summed: bool = True, interpret: bool = False) -> jax.Array:
     """`jnp.einsum(equation, x, kernel)`, through `matmul` where the equation contracts x's trailing dims with the
-    kernel's leading ones (every `layers.linear.Linear`'s does), x has at most MAX_ROWS rows of 16-bit floats (or
+    kernel's leading ones (every `model.linear.Linear`'s does), x has at most MAX_ROWS rows of 16-bit floats (or
     `interpret`, which runs any dtype on any device) and blocks of at least 16 divide the weight; otherwise XLA's
     einsum. Without a `config` ((block_k, block_n, splits)), a product over one contracted dim stays with XLA:
     alone the kernel is faster at one row (llama-1b's down projection 6.7 against 15.8 us), but in a decode step

@@ -11,7 +11,7 @@ import math
 
 import jax
 
-from mlm_jax.layers.fp8 import operands
+from mlm_jax.ops.fp8 import operands
 
 
 def missing() -> str | None:

@@ -4,7 +4,8 @@ Shapes: B batch, S sequence, D model, E experts, K top-k, F expert ffn.
 
 Routing runs in fp32 on the global (automatically sharded) batch, so every statistic below is a global-batch
 statistic whatever the layout: XLA turns the means into all-reduces. The experts themselves run through
-`layers.experts.expert_ffn`, or the expert-parallel kernel the trainer installs (`axes.EXPERT_FFN`).
+`model.experts.expert_ffn`, or the layout's expert-parallel kernel (`Kernels.expert_ffn`), with the grouped matmul
+`Kernels.experts` names.
 
 - softmax router (Mixtral, Qwen3-MoE): softmax over all E logits, top-k, weights renormalised to sum 1 (unless
   `normalize_weights` is off).
@@ -24,10 +25,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import MoEConfig
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.experts import expert_ffn
-from mlm_jax.layers.linear import param
-from mlm_jax.layers.mlp import MLP
+from mlm_jax.model import axes as ax
+from mlm_jax.model.experts import expert_ffn
+from mlm_jax.model.kernels import Kernels
+from mlm_jax.model.linear import param
+from mlm_jax.model.mlp import MLP
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,8 @@ class Experts(nnx.Module):
 
 class MoE(nnx.Module):
     def __init__(self, c: MoELayerConfig, *, std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs,
-                 precision: str = "bf16", fp8_history: int = 16):
-        self.c, self.dtype = c, dtype
+                 precision: str = "bf16", fp8_history: int = 16, kernels: Kernels = Kernels()):
+        self.c, self.dtype, self.kernels = c, dtype, kernels
         m = c.moe
         self.router = Router(c.dim, m.num_experts, std=std, with_bias=m.router == "sigmoid", param_dtype=param_dtype,
                              rngs=rngs)
@@ -77,7 +79,7 @@ class MoE(nnx.Module):
         if m.shared_experts:
             self.shared = MLP(c.dim, m.shared_experts * c.ffn, activation="swiglu", std=std, out_std=out_std,
                               dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision,
-                              fp8_history=fp8_history)
+                              fp8_history=fp8_history, kernels=kernels)
 
     def route(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         """(experts_BSK, weights_BSK, statistics) for the tokens of `x_BSD`."""
@@ -110,12 +112,20 @@ class MoE(nnx.Module):
         m = self.c.moe
         experts_BSK, weights_BSK, stats = self.route(x_BSD)
         w = self.experts
-        run = ax.kernel(ax.EXPERT_FFN) or expert_ffn
+        run = self.kernels.expert_ffn or expert_ffn
         y_BSD, dropped = run(x_BSD.astype(self.dtype), experts_BSK, weights_BSK.astype(self.dtype),
                              w.gate[...].astype(self.dtype), w.up[...].astype(self.dtype),
                              w.down[...].astype(self.dtype), capacity_factor=m.capacity_factor,
-                             capacity_group_rows=m.capacity_group_rows, impl=m.impl)
+                             capacity_group_rows=m.capacity_group_rows, impl=self.kernels.experts)
         stats["dropped"] = dropped.astype(jnp.float32) / (experts_BSK.size)  # fraction of assignments dropped
         if hasattr(self, "shared"):
             y_BSD = y_BSD + self.shared(x_BSD)
         return ax.constrain(y_BSD, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)), stats
+
+
+def moe_metrics(loss: jax.Array, stats: dict) -> dict:
+    """A step's metrics from its MoE layers' routing statistics (`MoE.route`, each stacked along a leading MoE-layer
+    dim): the cross-entropy `loss`, the auxiliary and z-losses as means over the layers, and per layer the fraction
+    of assignments dropped and each expert's load."""
+    return {"loss": loss, "moe_aux_loss": jnp.mean(stats["aux_loss"]), "moe_z_loss": jnp.mean(stats["z_loss"]),
+            "moe_dropped": stats["dropped"], "moe_load": stats["load"]}

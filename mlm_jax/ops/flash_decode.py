@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mlm_jax.layers import gemv
+from mlm_jax.ops import gemv
 
 PRODUCT = 8192  # elements of a block's [G, block, H] product, in the registers of one program
 MAX_BLOCK = 32  # slots a step reads at most
@@ -46,7 +46,7 @@ PRODUCT_BLOCKS = (64, 64, 4)
 
 class Product(NamedTuple):
     """The fused q/k/v product's input and weight ([B, T, D], [D, K, G + 2, H], `Attention.fuse_projections`), for
-    `step` to run as the few-row kernel's partial products (`layers.gemv`), which its programs sum themselves."""
+    `step` to run as the few-row kernel's partial products (`ops.gemv`), which its programs sum themselves."""
     x_BTD: jax.Array
     w_DKJH: jax.Array
 

@@ -12,17 +12,26 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 
 from mlm_jax.config import ConfigError
-from mlm_jax.layers import fp8
-from mlm_jax.train.state import TrainState
+from mlm_jax.ops import fp8
 
 FORMAT = 1
+
+
+class TrainState(NamedTuple):
+    """What a checkpoint holds of a run, and what the train step carries from one step to the next."""
+
+    step: jax.Array  # int32 scalar: steps taken, skipped ones included (the data position)
+    params: Any  # nested dict of fp32 master weights
+    opt_state: optax.OptState
+    skipped_steps: jax.Array  # int32 scalar: updates dropped for a non-finite loss or gradient
 
 
 class CheckpointError(RuntimeError):

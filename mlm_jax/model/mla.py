@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers import kv_cache as kv
-from mlm_jax.layers.attention import attend
-from mlm_jax.layers.linear import Linear
-from mlm_jax.layers.norm import Norm
-from mlm_jax.layers.rope import RopeConfig, apply_rope
+from mlm_jax.model import axes as ax
+from mlm_jax.model.attention import attend
+from mlm_jax.model.kernels import Kernels
+from mlm_jax.model.linear import Linear
+from mlm_jax.model.norm import Norm
+from mlm_jax.model.rope import RopeConfig, apply_rope
 
 
 @dataclass(frozen=True)
@@ -41,16 +41,15 @@ class LatentAttentionConfig:
     v_dim: int
     rope: RopeConfig  # over the `rope_dim` dims
     norm_eps: float  # of the latents' norms
-    impl: str
     scale: float | None = None  # softmax scale; None = 1 / sqrt(nope_dim + rope_dim)
 
 
 class LatentAttention(nnx.Module):
     def __init__(self, c: LatentAttentionConfig, *, std: float, out_std: float, dtype, param_dtype, rngs: nnx.Rngs,
-                 precision: str = "bf16", fp8_history: int = 16):
-        self.c = c
+                 precision: str = "bf16", fp8_history: int = 16, kernels: Kernels = Kernels()):
+        self.c, self.kernels = c, kernels
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, precision=precision, fp8_history=fp8_history,
-                  std=std)
+                  std=std, kernels=kernels)
         nkw = dict(kind="rmsnorm", eps=c.norm_eps, dtype=dtype, param_dtype=param_dtype)
         N, qk = c.num_heads, c.nope_dim + c.rope_dim
         if c.q_rank is None:
@@ -68,34 +67,10 @@ class LatentAttention(nnx.Module):
     def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> jax.Array:
         q_BSNH = self.query(x_BSD, positions_BS)
         k_BSNH, v_BSNH = self.expand(*self.latent(x_BSD, positions_BS))
-        return self.out(attend(q_BSNH, k_BSNH, v_BSNH, self.c.impl)[..., :self.c.v_dim])
-
-    def prefill(self, x_BPD: jax.Array, positions_BP: jax.Array, local: bool, lengths_B: jax.Array,
-                length: int) -> tuple[jax.Array, dict]:
-        """As `Attention.prefill`, with a cache of the normed kv latent and the rotated shared key (`latent`,
-        `rope`), not of the per-head keys and values."""
-        c = self.c
-        q_BPNH = self.query(x_BPD, positions_BP)
-        latent_BPR, rope_BPE = self.latent(x_BPD, positions_BP)
-        out_BPNH = attend(q_BPNH, *self.expand(latent_BPR, rope_BPE), c.impl)[..., :c.v_dim]
-        cache = {"latent": kv.fill(latent_BPR, lengths_B, length), "rope": kv.fill(rope_BPE, lengths_B, length)}
-        return self.out(out_BPNH), self._laid_out(cache)
-
-    def decode(self, x_BTD: jax.Array, positions_BT: jax.Array, local: bool, cache: dict) -> tuple[jax.Array, dict]:
-        """A decode step folds the key expansion into the query and the value expansion into the output
-        (DeepSeek-V2's absorbed form), so it reads R + E numbers per cached position instead of N x (P + V)."""
-        q_BTNH = self.query(x_BTD, positions_BT)
-        latent_BTR, rope_BTE = self.latent(x_BTD, positions_BT)
-        cache = {"latent": kv.write(cache["latent"], latent_BTR, positions_BT),
-                 "rope": kv.write(cache["rope"], rope_BTE, positions_BT)}
-        return self.out(self.absorbed(q_BTNH, cache["latent"], cache["rope"], positions_BT)), self._laid_out(cache)
+        return self.out(attend(q_BSNH, k_BSNH, v_BSNH, self.kernels)[..., :self.c.v_dim])
 
     def out(self, out_BSNV: jax.Array) -> jax.Array:
         return self.o(ax.constrain(out_BSNV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))
-
-    @staticmethod
-    def _laid_out(cache: dict) -> dict:
-        return {k: ax.constrain(a, (ax.ACT_BATCH, None, None)) for k, a in cache.items()}
 
     def query(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
         """Each head's [no-position part, rotated part], scaled for the kernels' 1/sqrt(P + E)."""
@@ -129,19 +104,3 @@ class LatentAttention(nnx.Module):
         v_BSNH = jnp.pad(v_BSNV, ((0, 0), (0, 0), (0, 0), (0, pad))) if pad > 0 else v_BSNV
         heads = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)
         return ax.constrain(k_BSNH, heads), ax.constrain(v_BSNH, heads)
-
-    def absorbed(self, q_BTNH: jax.Array, latent_BCR: jax.Array, rope_BCE: jax.Array,
-                 positions_BT: jax.Array) -> jax.Array:
-        """Decode attention over the latent cache: q_nope . (W_k c) = (W_k^T q_nope) . c, and the output
-        W_v (sum_j p_j c_j); the softmax in fp32."""
-        c = self.c
-        w_RNH = self.kv_b.kernel[...].astype(q_BTNH.dtype)
-        w_k_RNP, w_v_RNV = w_RNH[..., :c.nope_dim], w_RNH[..., c.nope_dim:]
-        q_BTNR = jnp.einsum("btnp,rnp->btnr", q_BTNH[..., :c.nope_dim], w_k_RNP)
-        scores_BNTC = (jnp.einsum("btnr,bcr->bntc", q_BTNR, latent_BCR, preferred_element_type=jnp.float32)
-                       + jnp.einsum("btne,bce->bntc", q_BTNH[..., c.nope_dim:], rope_BCE,
-                                    preferred_element_type=jnp.float32))
-        scores_BNTC = scores_BNTC / jnp.sqrt(jnp.float32(c.nope_dim + c.rope_dim))
-        mask_B1TC = kv.visible(positions_BT, latent_BCR.shape[1], None)[:, None]
-        probs_BNTC = jax.nn.softmax(jnp.where(mask_B1TC, scores_BNTC, -jnp.inf), axis=-1).astype(latent_BCR.dtype)
-        return jnp.einsum("btnr,rnv->btnv", jnp.einsum("bntc,bcr->btnr", probs_BNTC, latent_BCR), w_v_RNV)

@@ -5,27 +5,32 @@ Shapes: B batch, S sequence, D model, V vocabulary, L layers.
 An MoE model keeps its MoE blocks stacked in `blocks` and, when some layers stay dense (`moe.first_dense_layers`,
 `moe.every_n_layers`, `moe.dense_layers`), those in `dense_blocks`; the layers run in their model order, one
 contiguous run of each kind (dense or MoE, sliding-window or full attention) at a time. A pipeline chunk
-(`run_chunk`) may hold layers of several kinds, which can differ from chunk to chunk.
+(`parallel.stages.run_chunk`) may hold layers of several kinds, which can differ from chunk to chunk.
+
+The model only models: pipeline stages run its layers through `block_fn` (`parallel.stages`), and decoding builds
+decode-time blocks of its own from the weights (`mlm_jax.infer`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.attention import AttentionConfig
-from mlm_jax.layers.block import Block, BlockConfig
-from mlm_jax.layers.embed import Embed
-from mlm_jax.layers.linear import Linear
-from mlm_jax.layers.mla import LatentAttentionConfig
-from mlm_jax.layers.moe import MoELayerConfig
-from mlm_jax.layers.norm import Norm
-from mlm_jax.layers.rope import RopeConfig
+from mlm_jax.model import axes as ax
+from mlm_jax.model.attention import AttentionConfig
+from mlm_jax.model.block import Block, BlockConfig
+from mlm_jax.model.embed import Embed
+from mlm_jax.model.kernels import Kernels
+from mlm_jax.model.linear import Linear
+from mlm_jax.model.mla import LatentAttentionConfig
+from mlm_jax.model.moe import MoELayerConfig
+from mlm_jax.model.norm import Norm
+from mlm_jax.model.rope import RopeConfig
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute everything
@@ -39,7 +44,7 @@ def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
         local_rope = RopeConfig(theta=m.local_rope_theta, rotary_dim=m.rotary_dim)
     attention = AttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_heads=m.kv_heads,
                                 head_dim=m.dim_per_head, rope=rope_config(m), qk_norm=m.qk_norm,
-                                qkv_bias=m.qkv_bias, norm_eps=m.norm_eps, impl=m.attention_impl,
+                                qkv_bias=m.qkv_bias, norm_eps=m.norm_eps,
                                 window=m.sliding_window, local_rope=local_rope, scale=m.attention_scale,
                                 norm_offset=m.norm_scale_offset)
     if m.mla.enabled:
@@ -48,7 +53,7 @@ def block_config(m: ModelConfig, moe: bool = False) -> BlockConfig:
         attention = LatentAttentionConfig(dim=m.hidden_size, num_heads=m.num_heads, kv_rank=a.kv_lora_rank,
                                           q_rank=a.q_lora_rank, nope_dim=a.qk_nope_head_dim,
                                           rope_dim=a.qk_rope_head_dim, v_dim=a.v_head_dim, rope=rope,
-                                          norm_eps=a.latent_norm_eps, impl=m.attention_impl, scale=m.attention_scale)
+                                          norm_eps=a.latent_norm_eps, scale=m.attention_scale)
     return BlockConfig(attention=attention, ffn_size=m.ffn_size, activation=m.activation, norm=m.norm,
                        norm_eps=m.norm_eps, init_std=m.init_std,
                        out_std=m.init_std / math.sqrt(2 * m.num_layers), precision=m.precision,
@@ -96,42 +101,19 @@ def layer_runs(m: ModelConfig) -> tuple[tuple[Kind, int, int], ...]:
     return tuple(tuple(r) for r in runs)
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkSlots:
-    """The layer slots every pipeline chunk has (`parallel.stages.ChunkLayout` lays them out): slot i holds a layer
-    of stack `stacks[i]` in the chunks that fill it, and none in the others where `optional[i]`; `local[i]` says
-    whether its layer attends through the sliding window, None where that differs from chunk to chunk."""
-
-    stacks: tuple[str, ...]
-    optional: tuple[bool, ...]
-    local: tuple[bool | None, ...]
-
-    def row(self, i: int) -> int:
-        """Slot i's row in its stack's chunk layers: the slots of that stack before it."""
-        return self.stacks[:i].count(self.stacks[i])
-
-    @property
-    def runs(self) -> tuple[tuple[str, int, int], ...]:
-        """The slots as runs of one stack: (stack, first slot, count)."""
-        runs: list[list] = []
-        for i, stack in enumerate(self.stacks):
-            if runs and runs[-1][0] == stack:
-                runs[-1][2] += 1
-            else:
-                runs.append([stack, i, 1])
-        return tuple(tuple(r) for r in runs)
-
-
 class Transformer(nnx.Module):
-    """`model(tokens_BS) -> logits_BSV`; block parameters are stacked along a leading `layers` dim."""
+    """`model(tokens_BS) -> logits_BSV`; block parameters are stacked along a leading `layers` dim. `kernels`: the
+    implementations every layer runs (`model.kernels`; the default is XLA's reference everywhere)."""
 
-    def __init__(self, m: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, m: ModelConfig, *, rngs: nnx.Rngs, kernels: Kernels = Kernels()):
         self.remat = m.remat
         self.scan_layers = m.scan_layers
+        self.kernels = kernels
         dtype, param_dtype = jnp.dtype(m.dtype), jnp.dtype(m.param_dtype)
         bc = block_config(m)
         self.embed = Embed(m.vocab_size, m.hidden_size, std=m.init_std, dtype=dtype, param_dtype=param_dtype,
-                           rngs=rngs, scale=math.sqrt(m.hidden_size) if m.scale_embeddings else 1.0)
+                           rngs=rngs, scale=math.sqrt(m.hidden_size) if m.scale_embeddings else 1.0,
+                           master=kernels.master)
         self.softcap = m.final_logit_softcap
 
         self.runs = layer_runs(m)
@@ -139,7 +121,7 @@ class Transformer(nnx.Module):
         def stacked(config: BlockConfig, count: int):
             @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
             def make(key):
-                return Block(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=key))
+                return Block(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(params=key), kernels=kernels)
             return make(jax.random.split(rngs.params(), count))
 
         dense_layers = sum(n for (stack, _), _, n in self.runs if stack == "dense_blocks")
@@ -150,7 +132,7 @@ class Transformer(nnx.Module):
                                offset=m.norm_scale_offset)
         if not m.tie_embeddings:
             self.head = Linear("bsd,dv->bsv", (m.hidden_size, m.vocab_size), (ax.EMBED, ax.VOCAB),
-                               std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                               std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs, kernels=kernels)
 
     def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
         return self.forward(tokens_BS, positions_BS)[0]
@@ -212,118 +194,6 @@ class Transformer(nnx.Module):
             stats.append(layer_stats)
         return x_BSD, jax.tree.map(lambda *s: jnp.stack(s), *stats)
 
-    def run_chunk(self, x_BSD: jax.Array, positions_BS: jax.Array, pools: dict, slots: ChunkSlots,
-                  active: jax.Array | None = None, local: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """A pipeline chunk: slot i runs row `slots.row(i)` of `pools[slots.stacks[i]]` (that stack's stacked chunk
-        layers) where the traced `active[i]` says, if `slots.optional[i]` (else always), as a sliding-window layer
-        where `slots.local[i]`, or, where that is None, where the traced `local[i]` says. Returns the output and
-        each slot's MoE statistics (zeros where the slot ran no MoE layer; {} for a model without experts).
-
-        Slots of one stack in a row run as `run_blocks` does (scanned or unrolled); optional slots sit in a
-        `lax.cond` (scanned: every slot of the run, one body). A slot never chooses between stacks: the stages
-        take different branches at the same tick, and a branch must not own a collective another lacks.
-        """
-        stats = {}
-        if hasattr(self.blocks, "moe"):  # an MoE model: its MoE layers' statistics
-            layer0 = jax.tree.map(lambda w: w[0], pools["blocks"])
-            stats = jax.eval_shape(self.block_fn(("blocks", False)), x_BSD, positions_BS, layer0)[1]
-
-        def zeros():
-            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
-
-        def layer(stack, x_BSD, layer_state, on, is_local):
-            block = self.block_fn((stack, is_local))
-
-            def run(x_BSD, layer_state):
-                y_BSD, layer_stats = block(x_BSD, positions_BS, layer_state)
-                return y_BSD, layer_stats or zeros()  # a dense layer of an MoE model: no routing
-
-            if on is None:
-                return run(x_BSD, layer_state)
-            return jax.lax.cond(on, run, lambda x_BSD, _: (x_BSD, zeros()), x_BSD, layer_state)
-
-        out = []
-        for stack, start, count in slots.runs:
-            row = slots.row(start)
-            weights = jax.tree.map(lambda w: w[row:row + count], pools[stack])
-            part = range(start, start + count)
-            on = active[start:start + count] if any(slots.optional[i] for i in part) else None
-            kinds = {slots.local[i] for i in part}
-            if self.scan_layers:
-                static = kinds.pop() if len(kinds) == 1 else None  # None: a choice per chunk
-                flags = None
-                if static is None:
-                    flags = jnp.stack([local[i] if slots.local[i] is None else jnp.asarray(slots.local[i])
-                                       for i in part])
-
-                def body(x_BSD, xs, stack=stack, static=static):
-                    w, o, f = xs
-                    return layer(stack, x_BSD, w, o, static if f is None else f)
-                x_BSD, run_stats = jax.lax.scan(body, x_BSD, (weights, on, flags))
-            else:
-                run_stats = []
-                for j, i in enumerate(part):
-                    is_local = local[i] if slots.local[i] is None else slots.local[i]
-                    x_BSD, layer_stats = layer(stack, x_BSD, jax.tree.map(lambda w: w[j], weights),
-                                               None if on is None else on[j], is_local)
-                    run_stats.append(layer_stats)
-                run_stats = jax.tree.map(lambda *s: jnp.stack(s), *run_stats)
-            out.append(run_stats)
-        return x_BSD, jax.tree.map(lambda *s: jnp.concatenate(s), *out) if stats else {}
-
-    # -- incremental decoding -------------------------------------------------------------------------------------
-    def layer_states(self, fuse: bool = True) -> list:
-        """Each layer's weights on their own, in model order, in the form `prefill` and `decode` run (`layer`).
-        Decoding runs every layer at every step: a layer taken out of the stacked weights inside the decode loop
-        would be copied at every step, once outside it is read in place."""
-        return [nnx.state(self.layer(stack, i, fuse)) for (stack, _), start, count in self.runs
-                for i in range(start, start + count)]
-
-    def layer(self, stack: str, i: int, fuse: bool = True) -> Block:
-        """Layer `i` of `stack` with its norms folded into the next weights and, with `fuse`, its products sharing
-        an input fused, where they can be (`Block.fold_norms`, `Block.fuse_projections`): the same function."""
-        graphdef, state = nnx.split(getattr(self, stack))
-        block = nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
-        if block.foldable:
-            block.fold_norms()
-            if fuse:
-                block.fuse_projections()
-        return block
-
-    def prefill(self, tokens_BP: jax.Array, lengths_B: jax.Array, length: int,
-                layers: list | None = None) -> tuple[jax.Array, list]:
-        """Right-padded prompts (row b: `lengths_B[b]` tokens) -> (the logits after each prompt's last token, each
-        layer's key/value cache for sequences of up to `length` positions, `layers.kv_cache`). `layers`:
-        `layer_states()`, if taken already."""
-        positions_BP = default_positions(tokens_BP)
-        x_BPD, cache = self.embed(tokens_BP), []
-        for block, local in self._blocks(layers):
-            x_BPD, layer_cache = block.prefill(x_BPD, positions_BP, local, lengths_B, length)
-            cache.append(layer_cache)
-        last_B1D = jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1)
-        return self.logits(last_B1D)[:, 0], cache
-
-    def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: list[dict],
-               layers: list | None = None) -> tuple[jax.Array, list]:
-        """New tokens at `positions_BT` (each row's next positions) -> (their logits, the cache with them)."""
-        x_BTD, out, row_scale_BT1 = self.embed(tokens_BT), [], None
-        for (block, local), layer_cache in zip(self._blocks(layers), cache, strict=True):
-            x_BTD, layer_cache, row_scale_BT1 = block.decode(x_BTD, positions_BT, local, layer_cache, row_scale_BT1)
-            out.append(layer_cache)
-        return self.logits(x_BTD), out
-
-    def _blocks(self, layers=None):
-        """(block, local) for every layer in model order, unrolled whatever `scan_layers` says: each layer updates
-        its own cache buffer in place."""
-        layers = iter(self.layer_states() if layers is None else layers)
-        for (stack, local), start, count in self.runs:
-            first = next(layers)
-            fused = "attn" in first and "qkv" in first["attn"]  # as `layer_states(fuse)` made them
-            graphdef = nnx.graphdef(nnx.eval_shape(lambda s=stack, i=start, f=fused: self.layer(s, i, f)))
-            yield nnx.merge(graphdef, first), local
-            for _ in range(count - 1):
-                yield nnx.merge(graphdef, next(layers)), local
-
     def head_input(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
         """What the output head multiplies, for a loss that runs the head itself (`train.loss.head_loss`): the final
         norm's output in the compute dtype, the head's stored weight ([D, V], or the [V, D] embedding table when
@@ -364,3 +234,16 @@ def split_layers(stacked) -> list:
 
 def default_positions(tokens_BS: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+
+
+class ModelSpec(NamedTuple):
+    graphdef: nnx.GraphDef
+    shapes: Any  # nested dict of ShapeDtypeStruct
+    names: Any  # nested dict of PartitionSpec holding logical dim names
+
+
+def model_spec(m: ModelConfig, kernels: Kernels = Kernels()) -> ModelSpec:
+    """The model's structure (with `kernels`), parameter shapes and logical names, without allocating anything."""
+    abstract = nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0), kernels=kernels))
+    graphdef, state = nnx.split(abstract)
+    return ModelSpec(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)))

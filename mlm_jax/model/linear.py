@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mlm_jax.layers import axes as ax
-from mlm_jax.layers.fp8 import HISTORY, delayed_einsum, fp8_einsum
+from mlm_jax.model.kernels import Kernels
+from mlm_jax.ops import te
+from mlm_jax.ops.fp8 import HISTORY, delayed_einsum, fp8_einsum
 
 
 def param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
@@ -21,66 +22,43 @@ class Linear(nnx.Module):
     """`y = einsum(equation, x, kernel) [+ bias]`; weights stored in `param_dtype`, operands cast to `dtype`.
 
     `bias_dims` is how many trailing kernel dims are output dims (and so the bias shape); 0 = no bias.
-    `precision`: bf16 multiplies in `dtype`; fp8 in XLA fp8 (`layers/fp8.py`), fp8_delayed likewise with delayed
+    `precision`: bf16 multiplies in `dtype`; fp8 in XLA fp8 (`ops/fp8.py`), fp8_delayed likewise with delayed
     scaling over a history of `fp8_history` steps (a weight of the layer, `fp8.HISTORY`); fp8_te through
-    Transformer Engine.
+    Transformer Engine. `kernels` (`model.kernels`) choose the product of a bf16 layer.
     """
 
     def __init__(self, equation: str, kernel_shape: Sequence[int], names: Sequence[str], *, std: float,
                  dtype, param_dtype, rngs: nnx.Rngs, bias_dims: int = 0, precision: str = "bf16",
-                 fp8_history: int = 16):
+                 fp8_history: int = 16, kernels: Kernels = Kernels()):
         self.equation = equation
         self.dtype = dtype
         self.precision = precision
+        self.kernels = kernels
         self.kernel = param(std * jax.random.normal(rngs.params(), tuple(kernel_shape), param_dtype), names)
         if bias_dims:
             self.bias = param(jnp.zeros(tuple(kernel_shape)[-bias_dims:], param_dtype), tuple(names)[-bias_dims:])
         if precision == "fp8_delayed":
             setattr(self, HISTORY, param(jnp.zeros((3, fp8_history), jnp.float32), (None, None)))
 
-    def refit(self, equation: str, kernel: jax.Array, names: Sequence[str | None],
-              bias: jax.Array | None = None) -> Linear:
-        """This layer over another equation and weights (its dtype and precision): a product formed from others
-        (`Attention.fuse_projections`)."""
-        self.equation = equation
-        self.kernel = param(kernel, names)
-        if bias is not None:
-            self.bias = param(bias, tuple(names)[kernel.ndim - bias.ndim:])
-        elif hasattr(self, "bias"):
-            del self.bias
-        return self
-
     def __call__(self, x: jax.Array, row_scale: jax.Array | None = None) -> jax.Array:
-        """A bf16 layer multiplies through the kernel installed as `axes.FEW_ROWS` (generation's few-row
-        products), if any; a layout that installs `axes.MASTER_EINSUM` (FSDP) gets the master weight itself, to cast
-        where it chooses. `row_scale` (fp32, broadcast against the product) multiplies the product before the bias:
-        a norm's per-row factor whose per-column gain is folded into the kernel (`Block.fold_norms`)."""
+        """A bf16 layer multiplies the master weight through `master_einsum` where its kernels say `master` (FSDP
+        casts where it chooses), else through the few-row kernel they name (decode steps), else XLA's einsum.
+        `row_scale` (fp32, broadcast against the product) multiplies the product before the bias: a norm's per-row
+        factor whose per-column gain is folded into the kernel (decode-time blocks, `mlm_jax.infer`)."""
         x = x.astype(self.dtype)
-        master = ax.kernel(ax.MASTER_EINSUM)
-        if self.precision == "bf16" and master is not None:
-            y = master(self.equation, x, self.kernel[...])
+        if self.precision == "bf16" and self.kernels.master:
+            y = master_einsum(self.equation, x, self.kernel[...])
         elif self.precision == "fp8":
             y = fp8_einsum(self.equation, x, self.kernel[...].astype(self.dtype))
         elif self.precision == "fp8_delayed":
             y = delayed_einsum(self.equation, x, self.kernel[...].astype(self.dtype), getattr(self, HISTORY)[...])
         elif self.precision == "fp8_te":
-            from mlm_jax.layers import te  # optional backend, imported only when chosen
             y = te.einsum(self.equation, x, self.kernel[...].astype(self.dtype))
         else:
-            y = (ax.kernel(ax.FEW_ROWS) or jnp.einsum)(self.equation, x, self.kernel[...].astype(self.dtype))
+            y = (self.kernels.few_rows or jnp.einsum)(self.equation, x, self.kernel[...].astype(self.dtype))
         if row_scale is not None:
             y = (y.astype(jnp.float32) * row_scale).astype(self.dtype)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
-
-    def partial_sums(self, x: jax.Array) -> jax.Array:
-        """`self(x)` as partial products over slices of the contracted dims, [S, *output's shape], whose fp32 sum
-        rounded to `dtype` is `self(x)`, for a consumer that sums them itself (`axes.RESIDUAL`): from the kernel
-        installed as `axes.FEW_ROWS` (fp32 partials) where the layer multiplies through it, else `self(x)` as the
-        one partial."""
-        few = ax.kernel(ax.FEW_ROWS)
-        if few is None or self.precision != "bf16" or hasattr(self, "bias") or ax.kernel(ax.MASTER_EINSUM):
-            return self(x)[None]
-        return few(self.equation, x.astype(self.dtype), self.kernel[...].astype(self.dtype), summed=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

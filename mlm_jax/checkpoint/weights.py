@@ -11,9 +11,13 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
+from mlm_jax.checkpoint import state as ckpt
 from mlm_jax.config import ModelConfig, model_from_dict
-from mlm_jax.convert import ConvertError
-from mlm_jax.train import checkpoint as ckpt
+
+
+class ConvertError(ValueError):
+    """A source or checkpoint that cannot be converted or loaded (`mlm_jax.convert`, `load_pretrained`); the message
+    is one line."""
 
 
 class Checkpoint(NamedTuple):
