@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from mlm_jax import data as data_lib
+from mlm_jax.data import loader as data_lib
 from mlm_jax.checkpoint import state as ckpt
 from mlm_jax.config import Config, ConfigError, to_yaml
 from mlm_jax.data.dataset import build_datasets
