@@ -27,6 +27,7 @@ batch size appended to <results-dir>/results.jsonl (`"bench": "decode"`) and one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -42,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from mlm_jax.config import ConfigError, load_config  # noqa: E402  (light: no jax)
+from mlm_jax import ConfigError, load_config  # noqa: E402  (light: no jax)
 
 BF16_ONLY = ["model.dtype=bfloat16", "model.param_dtype=bfloat16"]  # after the user's: the roofline counts 2 bytes
 COPY_BYTES = 2 * 2**30
@@ -65,12 +66,16 @@ def run_ours(args, cfg) -> dict:
     import numpy as np
     from flax import nnx
 
-    from mlm_jax.generate import generate
-    from mlm_jax.train.state import init_params, model_spec
+    from mlm_jax.config import ParallelConfig
+    from mlm_jax.infer.generate import generate
+    from mlm_jax.model.transformer import model_spec
+    from mlm_jax.setup import setup
+    from mlm_jax.train.state import init_params
 
     m, P, N = cfg.model, args.prompt_len, args.new_tokens
     params = init_params(m, 0, None)
-    model = nnx.merge(model_spec(m).graphdef, params)
+    kernels = setup(dataclasses.replace(cfg, parallel=ParallelConfig(data=1)), jax.devices()[:1]).plan.kernels
+    model = nnx.merge(model_spec(m, kernels).graphdef, params)
     src = jnp.zeros(COPY_BYTES // 2, jnp.uint16)
     copy = jax.jit(jnp.copy)  # a real copy kernel: XLA cannot alias a parameter that is not donated
     copy_s = median_time(lambda: copy(src).block_until_ready(), args.repeats)

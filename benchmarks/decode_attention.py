@@ -19,8 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mlm_jax.config import load_config
-from mlm_jax.model import kv_cache
+from mlm_jax import load_config
+from mlm_jax.infer import kv_cache
 from mlm_jax.ops import flash_decode
 from mlm_jax.model.rope import RopeConfig, apply_rope, tables
 

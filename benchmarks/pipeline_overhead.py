@@ -29,7 +29,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from mlm_jax.config import ConfigError, load_config  # noqa: E402  (light: no jax)
+from mlm_jax import ConfigError, load_config  # noqa: E402  (light: no jax)
 
 
 def run_variant(args) -> dict:
@@ -84,9 +84,9 @@ def stash_bytes(trainer, schedule) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from mlm_jax.model import axes as ax
-    from mlm_jax.parallel.kernels import parallel_kernels
-    from mlm_jax.parallel.pipeline import Residuals, _segments, _stash_plan, stash_policy
+    from mlm_jax.parallel.pipeline import Residuals, _segments, _stash_plan
+    from mlm_jax.parallel.recompute import stash_policy
+    from mlm_jax.parallel.stages import run_chunk
 
     cfg, layout = trainer.cfg, trainer.chunks
     rows, S, dtype = cfg.train.global_batch_size // trainer.accum_steps, cfg.train.seq_len, jnp.dtype(cfg.model.dtype)
@@ -99,14 +99,13 @@ def stash_bytes(trainer, schedule) -> int:
     local = jnp.asarray(layout.local[0, 0]) if None in slots.local else None
 
     def residuals(params, weights, x):
-        model = nnx.merge(trainer.spec.graphdef, params)
+        model = nnx.merge(trainer.step_plan.graphdef, params)  # with the layout's kernels
         positions = jnp.broadcast_to(jnp.arange(S), (rows, S))
-        chunk = jax.checkpoint(lambda w, x: model.run_chunk(x, positions, w, slots, active, local)[0],
+        chunk = jax.checkpoint(lambda w, x: run_chunk(model, x, positions, w, slots, active, local)[0],
                                policy=stash_policy, prevent_cse=False)
         return Residuals().split(jax.vjp(chunk, weights, x)[1], weights)
 
-    kernels, _ = parallel_kernels(cfg, trainer.mesh, trainer.degrees, trainer.resolver)
-    with ax.activation_resolver(trainer.resolver), ax.kernels(**kernels):
+    with trainer.setup.layout:
         leaves = jax.eval_shape(residuals, shapes, weights, x)
     slots = _stash_plan(schedule, _segments(schedule))[3]
     return slots * sum(a.size * a.dtype.itemsize for a in leaves)

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from mlm_jax.config import ConfigError, load_config  # noqa: E402  (light: no jax)
+from mlm_jax import ConfigError, load_config  # noqa: E402  (light: no jax)
 
 RESULTS_MD_HEADER = (
     "# Throughput results\n\n"

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from mlm_jax.convert.__main__ import main
-from mlm_jax.convert.pretrained import load_pretrained
+from mlm_jax.infer.pretrained import load_pretrained
 
 VOCAB = 512  # every tiny test model's vocabulary
 TOKENS_BS = np.random.default_rng(0).integers(0, VOCAB, (2, 24))

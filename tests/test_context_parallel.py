@@ -6,7 +6,7 @@ import pytest
 from layouts import assert_matches, fit, reference
 from mlm_jax import load_config
 from mlm_jax.config import ConfigError
-from mlm_jax.validation import check_degrees
+from mlm_jax.validation.plan import check_degrees
 
 BASE = ["model.dtype=float32", "model.num_layers=2", "model.num_kv_heads=2", "train.steps=3", "train.log_every=1",
         "train.eval_every=0", "train.global_batch_size=8", "train.seq_len=64", "log.progress=never", "optim.warmup_steps=0",

@@ -20,8 +20,10 @@ from hf_models import (TOKENS_BS, VOCAB, assert_round_trip, convert, hf_logits, 
 
 from mlm_jax import Trainer, load_config  # noqa: E402
 from mlm_jax.config import Config, ModelConfig  # noqa: E402
-from mlm_jax.convert import llama, store  # noqa: E402
-from mlm_jax.train.state import init_params, model_spec  # noqa: E402
+from mlm_jax.checkpoint import weights as store  # noqa: E402
+from mlm_jax.convert import format as hf_format  # noqa: E402
+from mlm_jax.model.transformer import model_spec  # noqa: E402
+from mlm_jax.train.state import init_params  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -120,7 +122,7 @@ def test_checkpoint_with_fp8_delayed_histories_exports_the_same_tensors(tmp_path
     plain = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64)
     delayed = dataclasses.replace(plain, precision="fp8_delayed")
     params = init_params(delayed, 0, None)
-    assert any(p[-1] == "amax_history" for p, _ in llama._leaves(params))
+    assert any(p[-1] == "amax_history" for p, _ in hf_format._leaves(params))
     for name, m, weights in (("plain", plain, _without_histories(params)), ("delayed", delayed, params)):
         store.save_weights(str(tmp_path / name / "checkpoints"), jax.tree.map(np.asarray, weights),
                            {"step": 0, "config": Config(model=m).to_dict()})

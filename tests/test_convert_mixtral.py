@@ -21,8 +21,11 @@ from safetensors.torch import save_file  # noqa: E402
 from hf_models import TOKENS_BS, VOCAB, convert, hf_logits, hf_tensors, our_logits, save_random  # noqa: E402
 from mlm_jax import Trainer, load_config  # noqa: E402
 from mlm_jax.config import Config, ModelConfig, MoEConfig  # noqa: E402
-from mlm_jax.convert import llama, mixtral, store  # noqa: E402
-from mlm_jax.train.state import model_spec  # noqa: E402
+from mlm_jax.checkpoint import weights as store  # noqa: E402
+from mlm_jax.convert import hf as convert_hf  # noqa: E402
+from mlm_jax.convert import mixtral  # noqa: E402
+from mlm_jax.convert import format as hf_format  # noqa: E402
+from mlm_jax.model.transformer import model_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,14 +48,14 @@ def save_hf(path, dtype=torch.float32, max_shard_size="5GB", **overrides):
 def test_every_hf_tensor_is_one_slice_of_a_stacked_parameter(tmp_path):
     """The name/layout table alone: HF's per-(layer, expert) tensors and our stacked parameters pair up 1:1."""
     save_hf(tmp_path / "hf")
-    source = llama.read_source(str(tmp_path / "hf"))
+    source = convert_hf.read_source(str(tmp_path / "hf"))
     m = source.model
     assert (m.moe.num_experts, m.moe.top_k, m.moe.expert_ffn_size, m.moe.router, m.moe.capacity_factor,
             m.moe.aux_loss_coef) == (4, 2, 128, "softmax", None, 0.02)
-    tensors = llama.hf_tensors(mixtral.layout(m, model_spec(m).shapes))
+    tensors = hf_format.hf_tensors(mixtral.layout(m, model_spec(m).shapes))
     with safe_open(source.files["lm_head.weight"], framework="numpy") as f:
         saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    assert {name: llama.hf_shape(e, shape) for name, e, _, shape in tensors} == saved
+    assert {name: hf_format.hf_shape(e, shape) for name, e, _, shape in tensors} == saved
     by_name = {name: (e.path, index) for name, e, index, _ in tensors}
     assert by_name["model.layers.1.block_sparse_moe.experts.3.w3.weight"] == (("blocks", "moe", "experts", "up"),
                                                                                (1, 3))

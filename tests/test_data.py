@@ -3,16 +3,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mlm_jax.data import (
-    ByteTokenizer,
-    Prefetcher,
-    StepLoader,
-    TokenWindows,
-    eval_batches,
-    global_batch,
-    load_stdlib_corpus,
-)
+from mlm_jax.data import ByteTokenizer, TokenWindows, load_stdlib_corpus
 from mlm_jax.data.corpus import is_validation_file
+from mlm_jax.data.loader import Prefetcher, StepLoader, eval_batches, global_batch
 
 SEQ_LEN = 16
 BATCH = 8

@@ -20,13 +20,13 @@ from eval_models import CONTEXT, TASKS, save_family, save_tokenizer  # noqa: E40
 
 from mlm_jax import Trainer, load_config, load_pretrained  # noqa: E402
 from mlm_jax.config import ConfigError  # noqa: E402
-from mlm_jax.convert.pretrained import Pretrained, load_tokenizer  # noqa: E402
+from mlm_jax.infer.pretrained import Pretrained, load_tokenizer  # noqa: E402
 from mlm_jax.data.tokenizer import HFTokenizer  # noqa: E402
 from mlm_jax.eval.__main__ import main  # noqa: E402
 from mlm_jax.eval.lm import MlmLM  # noqa: E402
 from mlm_jax.eval.tasks import evaluate, task_manager  # noqa: E402
 from mlm_jax.eval.tokens import Codec  # noqa: E402
-from mlm_jax.validation import plan  # noqa: E402
+from mlm_jax.validation.plan import plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_TASKS = ["tiny_choice", "tiny_rolling", "tiny_generate"]

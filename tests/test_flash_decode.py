@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mlm_jax.model import kv_cache
+from mlm_jax.infer import kv_cache
 from mlm_jax.ops import flash_decode
 from mlm_jax.model.rope import RopeConfig, apply_rope, tables
 

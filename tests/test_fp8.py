@@ -13,7 +13,7 @@ from flax import nnx
 from mlm_jax import Trainer, load_config
 from mlm_jax.ops.fp8 import E4M3, E5M2, fp8_einsum, quantize
 from mlm_jax.model.transformer import Transformer
-from mlm_jax.train.state import model_spec
+from mlm_jax.model.transformer import model_spec
 
 
 def rel(a, b):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mlm_jax.model import axes as ax
+from mlm_jax.infer.blocks import DecodeMLP
+from mlm_jax.model.kernels import Kernels
 from mlm_jax.ops import gemv
-from mlm_jax.model.mlp import MLP
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 32])
@@ -85,18 +85,18 @@ def test_partials_sum_to_the_product(rows, equation, x_shape, kernel_shape, spli
 @pytest.mark.parametrize("scale", [None, "array", 4, 3])
 def test_gated_equals_the_mlp(rows, activation, scale, monkeypatch):
     monkeypatch.setattr(gemv, "GATED", (16, 32, 4, 3))  # 4 steps a program, 3 column blocks
-    mlp = MLP(64, 96, activation=activation, std=0.2, out_std=0.2, dtype=jnp.float32, param_dtype=jnp.float32,
-              rngs=nnx.Rngs(rows))
-    mlp.fuse_projections()
+    calls = []
+    kw = dict(activation=activation, fused=True, std=0.2, out_std=0.2, dtype=jnp.float32, param_dtype=jnp.float32)
+    mlp = DecodeMLP(64, 96, rngs=nnx.Rngs(rows), **kw)
+    with_kernel = DecodeMLP(64, 96, rngs=nnx.Rngs(rows), **kw, kernels=Kernels(
+        gated=lambda *a: calls.append(1) or gemv.gated(*a, interpret=True)))
     kx, ks = jax.random.split(jax.random.key(rows))
     x = jax.random.normal(kx, (rows, 1, 64))
     row_scale = {None: None, "array": jax.random.uniform(ks, (rows, 1, 1), minval=0.5, maxval=2.0)}.get(scale)
     if isinstance(scale, int):
         row_scale = gemv.RowFactor(jax.random.uniform(ks, (rows, 1, scale), minval=8.0, maxval=64.0), 64, 1e-5)
     want = mlp.hidden(x, gemv.factor(row_scale))
-    calls = []
-    with ax.kernels(**{ax.GATED: lambda *a: calls.append(1) or gemv.gated(*a, interpret=True)}):
-        got = mlp.hidden(x, row_scale)
+    got = with_kernel.hidden(x, row_scale)
     assert calls and got.shape == want.shape == (rows, 1, 96)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
@@ -113,11 +113,11 @@ def test_gated_leaves_other_shapes_to_xla(x_shape, w_shape, dtype, interpret, mo
 
 
 def test_an_mlp_that_is_not_gated_leaves_the_kernel_alone():
-    mlp = MLP(64, 96, activation="gelu", std=0.2, out_std=0.2, dtype=jnp.float32, param_dtype=jnp.float32,
-              rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(0), (4, 1, 64))
     calls = []
-    with ax.kernels(**{ax.GATED: lambda *a: calls.append(1) or gemv.gated(*a, interpret=True)}):
-        got = mlp.hidden(x)
+    mlp = DecodeMLP(64, 96, activation="gelu", fused=True, std=0.2, out_std=0.2, dtype=jnp.float32,
+                    param_dtype=jnp.float32, rngs=nnx.Rngs(0),
+                    kernels=Kernels(gated=lambda *a: calls.append(1) or gemv.gated(*a, interpret=True)))
+    x = jax.random.normal(jax.random.key(0), (4, 1, 64))
+    got = mlp.hidden(x)
     assert not calls
     np.testing.assert_array_equal(got, jax.nn.gelu(mlp.up(x)))

@@ -21,12 +21,13 @@ from hf_models import VOCAB, convert, save_random  # noqa: E402
 
 import mlm_jax  # noqa: E402
 from mlm_jax import Trainer, load_config, load_pretrained  # noqa: E402
-from mlm_jax.convert.pretrained import load_tokenizer  # noqa: E402
-from mlm_jax.generate import _generate  # noqa: E402
 from mlm_jax.generate import main as generate_main  # noqa: E402
-from mlm_jax.model import axes as ax# noqa: E402
-from mlm_jax.ops import flash_decode, gemv# noqa: E402
+from mlm_jax.infer import decode as dec  # noqa: E402
+from mlm_jax.infer.generate import _generate  # noqa: E402
+from mlm_jax.infer.pretrained import load_tokenizer  # noqa: E402
+from mlm_jax.model.kernels import Kernels  # noqa: E402
 from mlm_jax.model.transformer import Transformer  # noqa: E402
+from mlm_jax.ops import flash_decode, gemv  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NEW = 32  # new tokens per prompt
@@ -135,12 +136,11 @@ def test_each_decode_step_equals_the_whole_sequence(family, few_rows, monkeypatc
     monkeypatch.setattr(flash_decode, "PRODUCT_BLOCKS", (32, 64, 4))
     monkeypatch.setattr(gemv, "GATED", (32, 64, 4, 3))  # 4 steps a program, 6 column blocks
     attends, residuals, gated = [], [], []
-    kernels = {ax.FEW_ROWS: functools.partial(gemv.einsum, interpret=True),
-               ax.CACHED_ATTENTION: lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True),
-               ax.RESIDUAL: lambda *a, **k: residuals.append(1) or gemv.add_residual(*a, **k, interpret=True),
-               ax.GATED: lambda *a: _counted(gated, gemv.gated(*a, interpret=True))}
-    with ax.kernels(**(kernels if few_rows else {})):
-        _decode_steps_equal_the_whole_sequence(family)
+    kernels = Kernels(few_rows=functools.partial(gemv.einsum, interpret=True),
+                      cached_attention=lambda *a, **k: attends.append(1) or flash_decode.step(*a, **k, interpret=True),
+                      residual=lambda *a, **k: residuals.append(1) or gemv.add_residual(*a, **k, interpret=True),
+                      gated=lambda *a: _counted(gated, gemv.gated(*a, interpret=True)))
+    _decode_steps_equal_the_whole_sequence(family, kernels if few_rows else Kernels())
     layers = load_config(None, DECODE_FAMILIES[family]).model.num_layers
     # each layer in the one trace of a decode step: its output projection, and a Llama's fused q/k/v product and
     # down projection (partials for the residual add)
@@ -163,7 +163,7 @@ def test_folded_norms_leave_each_block_the_same_function(family):
     (stack, local), start, _ = model.runs[0]
     stacked = nnx.state(getattr(model, stack))
     plain = nnx.merge(nnx.graphdef(getattr(model, stack)), jax.tree.map(lambda w: w[start], stacked))
-    folded = model.layer(stack, start)
+    folded = dec.layer(model, stack, start)
     assert folded.foldable and hasattr(folded.attn, "qkv") and hasattr(folded.mlp, "gate_up")
     np.testing.assert_array_equal(folded.mlp_norm.gain(), np.ones(model.blocks.attn.c.dim))
     want, _ = plain(x_BSD, positions_BS, local)
@@ -178,7 +178,7 @@ def _counted(calls: list, out):
     return out
 
 
-def _decode_steps_equal_the_whole_sequence(family):
+def _decode_steps_equal_the_whole_sequence(family, kernels):
     model = _model(family)
     rng = np.random.default_rng(0)
     lengths, steps = np.array([3, 9, 17]), 24
@@ -186,8 +186,11 @@ def _decode_steps_equal_the_whole_sequence(family):
     full = np.asarray(model(jnp.asarray(seq)))
     prompt = np.where(np.arange(32) < lengths[:, None], seq[:, :32], 0)  # right-padded to a bucket
     graphdef, state = nnx.split(model)
-    prefill = jax.jit(lambda state, t, n: nnx.merge(graphdef, state).prefill(t, n, 64))
-    decode = jax.jit(lambda state, t, p, c: nnx.merge(graphdef, state).decode(t, p, c))
+    def run(step, state, *args):
+        model = nnx.merge(graphdef, state)
+        return step(model, *args, dec.layer_states(model), kernels)
+    prefill = jax.jit(lambda state, t, n: run(dec.prefill, state, t, n, 64))
+    decode = jax.jit(lambda state, t, p, c: run(dec.decode, state, t, p, c))
     logits, cache = prefill(state, jnp.asarray(prompt), jnp.asarray(lengths))
     rows, scale = np.arange(3), np.abs(full).max()  # within 1e-5 of the logits' scale
 

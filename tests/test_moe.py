@@ -13,7 +13,7 @@ from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError, MoEConfig
 from mlm_jax.model.moe import MoE, MoELayerConfig
 from mlm_jax.train.step import load_imbalance, update_router_bias
-from mlm_jax.validation import check_degrees
+from mlm_jax.validation.plan import check_degrees
 
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.ffn_size=64", "model.moe.z_loss_coef=1e-3"]
 BASE = ["model.dtype=float32", "model.num_layers=2", "train.steps=3", "train.log_every=1", "train.eval_every=0",

@@ -20,7 +20,7 @@ from conftest import FAST_COMPILE
 
 from mlm_jax import load_config
 from mlm_jax.parallel import distributed
-from mlm_jax.validation import resolve_degrees
+from mlm_jax.validation.plan import resolve_degrees
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = str(REPO / "scripts" / "launch_local.sh")

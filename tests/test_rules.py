@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mlm_jax.config import ConfigError, load_config
+from mlm_jax import load_config
+from mlm_jax.config import ConfigError
 from mlm_jax.model import axes as ax
 from mlm_jax.parallel import rules as R
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.mesh import build_mesh
-from mlm_jax.train.state import model_spec
+from mlm_jax.model.transformer import model_spec
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 UPDATE = os.environ.get("MLM_JAX_UPDATE_GOLDEN") == "1"
@@ -29,7 +30,7 @@ is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
 
 def resolve(names, rules=R.PRESETS["default"], mesh_shape=SHAPE, shape=None):
-    return R.resolve(names, rules, mesh_shape, shape)
+    return shd.resolve(names, rules, mesh_shape, shape)
 
 
 # -- resolver ----------------------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def snapshot(rules, mesh, spec):
         "rules": [[name, list(axes)] for name, axes in rules],
         "params": {k: as_json(v) for k, v in by_path(params).items()},
         "zero1_masters": {k: as_json(v) for k, v in by_path(masters).items()},
-        "activations": {k: as_json(R.resolve(n, rules, shape_of, s)) for k, (n, s) in activations.items()},
+        "activations": {k: as_json(shd.resolve(n, rules, shape_of, s)) for k, (n, s) in activations.items()},
     }
 
 

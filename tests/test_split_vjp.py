@@ -14,10 +14,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from mlm_jax import load_config
-from mlm_jax.model.transformer import ChunkSlots, layer_kinds
-from mlm_jax.parallel.pipeline import stash_policy
+from mlm_jax.model.transformer import layer_kinds, model_spec
+from mlm_jax.parallel.recompute import stash_policy
 from mlm_jax.parallel.split_vjp import split_pullback
-from mlm_jax.train.state import model_spec
+from mlm_jax.parallel.stages import ChunkSlots, run_chunk
 
 L, B, S, D, F = 2, 2, 8, 64, 128  # layers, batch rows, sequence, model, ffn
 
@@ -66,7 +66,7 @@ def _model(scan: bool, *overrides, active=None, local=None):
     def f(pools, x_BSD):
         on = None if active is None else jnp.asarray((True,) * (L - len(active)) + tuple(active))
         flags = None if local is None else jnp.asarray(local)
-        return nnx.merge(spec.graphdef, params).run_chunk(x_BSD, positions_BS, pools, slots, on, flags)[0]
+        return run_chunk(nnx.merge(spec.graphdef, params), x_BSD, positions_BS, pools, slots, on, flags)[0]
     pools = {stack: params[stack] for stack in stacks}
     matmuls = sum(sum(a.ndim >= 3 for a in jax.tree.leaves(w)) * len(jax.tree.leaves(w)[0]) for w in pools.values())
     matmuls -= sum(len(w["moe"]["experts"]["gate"]) for w in pools.values() if "moe" in w)  # gate+up: one product

@@ -7,8 +7,8 @@ import re
 import sys
 
 from mlm_jax.config import ConfigError
-from mlm_jax.convert import ConvertError, llama
-from mlm_jax.convert.hf import from_hf, to_hf
+from mlm_jax.convert import ConvertError
+from mlm_jax.convert.hf import from_hf, read_source, to_hf
 
 UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command == "from-hf":
-            llama.read_source(args.src)  # a bad source fails here, before anything is written
+            read_source(args.src)  # a bad source fails here, before anything is written
             cfg = from_hf(args.src, args.dst)
             config, checkpoints = os.path.join(args.dst, "config.yaml"), os.path.join(args.dst, "checkpoints")
             print(f"wrote {args.dst}: config.yaml and checkpoints/0 ({cfg.model.num_layers} layers, vocabulary "

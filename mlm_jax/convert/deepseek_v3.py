@@ -1,6 +1,6 @@
 """DeepSeek-V3 in Hugging Face terms (`DeepseekV3ForCausalLM`): latent attention with a mixture of experts.
 
-Pure Python and numpy, like `llama`, whose entry and layout machinery this reuses. Multi-head latent attention is
+Its own entries on the shared machinery of `format`. Multi-head latent attention is
 `model.mla` (`model.mla`); HF lays each RoPE part out as interleaved pairs (`rope_interleave`), ours pairs dims
 (i, i + E/2), so the RoPE columns of `q_b_proj` (or `q_proj`) and `kv_a_proj_with_mqa` are permuted on the way in
 and back (`Entry.rope_tail`): the same function, exact round trips. The first `first_k_dense_replace` layers keep a
@@ -16,23 +16,23 @@ import math
 import re
 
 from mlm_jax.config import MLAConfig, ModelConfig, MoEConfig
-from mlm_jax.convert import ConvertError, llama
+from mlm_jax.convert import ConvertError, format
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-_layer = llama.per_layer
+_layer = format.per_layer
 
 
-def _entries(m: ModelConfig) -> tuple[llama.Entry, ...]:
+def _entries(m: ModelConfig) -> tuple[format.Entry, ...]:
     e = m.mla.qk_rope_head_dim
 
     def attn(path, name, *rest, rope=False):
         return _layer(f"attn/{path}", f"self_attn.{name}", *rest)._replace(rope_tail=e if rope else 0)
 
     def moe(path, name, kind="linear"):
-        return llama.Entry(("blocks", "moe", *path.split("/")), f"model.layers.{{i}}.mlp.{name}", kind)
+        return format.Entry(("blocks", "moe", *path.split("/")), f"model.layers.{{i}}.mlp.{name}", kind)
 
     return (
-        llama.Entry(("embed", "embedding"), "model.embed_tokens.weight"),
+        format.Entry(("embed", "embedding"), "model.embed_tokens.weight"),
         _layer("attn_norm/scale", "input_layernorm.weight"),
         attn("q/kernel", "q_proj.weight", "linear", rope=True),
         attn("q_a/kernel", "q_a_proj.weight", "linear"),
@@ -54,8 +54,8 @@ def _entries(m: ModelConfig) -> tuple[llama.Entry, ...]:
         moe("shared/gate/kernel", "shared_experts.gate_proj.weight"),
         moe("shared/up/kernel", "shared_experts.up_proj.weight"),
         moe("shared/down/kernel", "shared_experts.down_proj.weight"),
-        llama.Entry(("final_norm", "scale"), "model.norm.weight"),
-        llama.Entry(("head", "kernel"), "lm_head.weight", "linear"),
+        format.Entry(("final_norm", "scale"), "model.norm.weight"),
+        format.Entry(("head", "kernel"), "lm_head.weight", "linear"),
     )
 
 
@@ -64,8 +64,8 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def layout(m: ModelConfig, shapes: dict) -> list[tuple[llama.Entry, tuple[int, ...]]]:
-    return llama.layout(m, shapes, _entries(m), "DeepSeek-V3")
+def layout(m: ModelConfig, shapes: dict) -> list[tuple[format.Entry, tuple[int, ...]]]:
+    return format.layout(m, shapes, _entries(m), "DeepSeek-V3")
 
 
 def ignored(m: ModelConfig, name: str) -> bool:
@@ -95,7 +95,7 @@ def model_config(hf: dict) -> ModelConfig:
     if (hf.get("num_key_value_heads") or heads) != heads:
         raise ConvertError(f"num_key_value_heads={hf['num_key_value_heads']} differs from num_attention_heads="
                            f"{heads} (latent attention expands keys and values to every head)")
-    rotary = llama.rope({**hf, "partial_rotary_factor": None})
+    rotary = format.rope({**hf, "partial_rotary_factor": None})
     rope_params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     qk = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
     scale = None
@@ -132,7 +132,7 @@ def hf_config(m: ModelConfig, dtype: str, carried: dict) -> dict:
                                                                                 "and SwiGLU")):
         if unsupported:
             raise ConvertError(f"{what} cannot be exported as DeepSeek-V3")
-    scaling = llama.hf_rope(m)
+    scaling = format.hf_rope(m)
     config = {
         "architectures": [ARCHITECTURE], "model_type": "deepseek_v3", "vocab_size": m.vocab_size,
         "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size, "moe_intermediate_size": m.expert_ffn,

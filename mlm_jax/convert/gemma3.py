@@ -1,6 +1,6 @@
 """Gemma 3 text models in Hugging Face terms (`Gemma3ForCausalLM`): our transformer with Gemma's switches on.
 
-Pure Python and numpy, like `llama`, whose entry and layout machinery this reuses. Gemma 3 is: norms before and
+Its own entries on the shared machinery of `format`. Gemma 3 is: norms before and
 after attention and the MLP (HF's `post_attention_layernorm` is our `attn_post_norm`, `pre_feedforward_layernorm`
 our `mlp_norm`), RMSNorms that multiply by 1 + weight (`norm_scale_offset: 1`, the stored weights unchanged),
 QK-norm, a GeGLU MLP with the tanh GELU, embeddings times sqrt(hidden), a tied head, a softmax scale of
@@ -11,12 +11,12 @@ attention soft-capping and bidirectional attention are refused.
 from __future__ import annotations
 
 from mlm_jax.config import ModelConfig
-from mlm_jax.convert import ConvertError, llama
+from mlm_jax.convert import ConvertError, format
 
 ARCHITECTURE = "Gemma3ForCausalLM"
-_layer = llama.per_layer
+_layer = format.per_layer
 ENTRIES = (
-    llama.Entry(("embed", "embedding"), "model.embed_tokens.weight"),
+    format.Entry(("embed", "embedding"), "model.embed_tokens.weight"),
     _layer("attn_norm/scale", "input_layernorm.weight"),
     _layer("attn/q/kernel", "self_attn.q_proj.weight", "linear"),
     _layer("attn/k/kernel", "self_attn.k_proj.weight", "linear"),
@@ -30,15 +30,15 @@ ENTRIES = (
     _layer("mlp/up/kernel", "mlp.up_proj.weight", "linear"),
     _layer("mlp/down/kernel", "mlp.down_proj.weight", "linear"),
     _layer("mlp_post_norm/scale", "post_feedforward_layernorm.weight"),
-    llama.Entry(("final_norm", "scale"), "model.norm.weight"),
-    llama.Entry(("head", "kernel"), "lm_head.weight", "linear"),
+    format.Entry(("final_norm", "scale"), "model.norm.weight"),
+    format.Entry(("head", "kernel"), "lm_head.weight", "linear"),
 )
 DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
             "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}  # Gemma3TextConfig's
 
 
-def layout(m: ModelConfig, shapes: dict) -> list[tuple[llama.Entry, tuple[int, ...]]]:
-    return llama.layout(m, shapes, ENTRIES, "Gemma 3")
+def layout(m: ModelConfig, shapes: dict) -> list[tuple[format.Entry, tuple[int, ...]]]:
+    return format.layout(m, shapes, ENTRIES, "Gemma 3")
 
 
 def _ropes(hf: dict) -> tuple[dict, float]:
@@ -54,7 +54,7 @@ def _ropes(hf: dict) -> tuple[dict, float]:
     if local.get("rope_type", local.get("type", "default")) != "default":
         raise ConvertError(f"sliding_attention rope_type {local.get('rope_type')!r} is not supported (default only)")
     full.setdefault("rope_theta", DEFAULTS["rope_theta"])
-    return llama.rope({"max_position_embeddings": hf.get("max_position_embeddings"), "rope_scaling": full}), float(
+    return format.rope({"max_position_embeddings": hf.get("max_position_embeddings"), "rope_scaling": full}), float(
         local.get("rope_theta", DEFAULTS["rope_local_base_freq"]))
 
 
@@ -109,7 +109,7 @@ def hf_config(m: ModelConfig, dtype: str, carried: dict) -> dict:
             raise ConvertError(f"{what} cannot be exported as Gemma 3 (RMSNorm times 1 + weight before and after "
                                f"each sublayer, QK-norm, GeGLU, scaled embeddings, no biases, dense)")
     types_ = ["sliding_attention" if m.is_local(i) else "full_attention" for i in range(m.num_layers)]
-    scaling = llama.hf_rope(m)
+    scaling = format.hf_rope(m)
     full = {"rope_type": m.rope_scaling.rope_type, "rope_theta": m.rope_theta, **(scaling["rope_scaling"] or {})}
     scale = m.attention_scale
     return {

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,9 @@ from safetensors.numpy import save_file
 from mlm_jax.config import Config, ModelConfig
 from mlm_jax.validation.config import check_config
 from mlm_jax.checkpoint import weights as store
-from mlm_jax.convert import ConvertError, deepseek_v3, gemma3, llama, mixtral, qwen3_moe
+from mlm_jax.convert import ConvertError, families
+from mlm_jax.convert.format import (CARRIED, IGNORED_SUFFIX, Entry, hf_shape, hf_tensors, read_config, tensor_files,
+                                    to_ours, to_theirs)
 from mlm_jax.model.transformer import model_spec
 
 # The tokenizer and what configures it (special tokens, chat template, generation defaults), kept as they are
@@ -30,16 +33,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
 
 
-def _family(m: ModelConfig):
-    """The module that names and lays out `m`'s tensors: DeepSeek-V3 for latent attention, Gemma 3 for post-norms,
-    for a mixture of experts Qwen3-MoE (QK-norm) or Mixtral, else the Llama family (Llama, Mistral, Qwen2, Qwen3)."""
-    if m.mla.enabled:
-        return deepseek_v3
-    if m.post_norms:
-        return gemma3
-    if m.moe.enabled:
-        return qwen3_moe if m.qk_norm else mixtral
-    return llama
+class Source(NamedTuple):
+    model: ModelConfig
+    carried: dict  # CARRIED keys present in config.json
+    files: dict[str, str]  # tensor name -> safetensors file
+    architecture: str
+
+
+def read_source(src: str) -> Source:
+    """An HF folder: `config.json` plus `*.safetensors`, one file or shards listed in the index."""
+    hf = read_config(src)
+    model = families.model_config(hf)
+    files = tensor_files(src)
+    carried = {k: hf[k] for k in CARRIED if hf.get(k) is not None}
+    return Source(model, carried, files, hf["architectures"][0])
 
 
 def _require_empty(dst: str) -> None:
@@ -49,7 +56,7 @@ def _require_empty(dst: str) -> None:
 
 def from_hf(src: str, dst: str) -> Config:
     """Writes `dst/config.yaml` and the weights-only checkpoint `dst/checkpoints/0`; returns the config."""
-    source = llama.read_source(src)
+    source = read_source(src)
     _require_empty(dst)
     cfg = Config(name=os.path.basename(os.path.normpath(dst)), model=source.model)
     check_config(cfg)
@@ -60,17 +67,17 @@ def from_hf(src: str, dst: str) -> Config:
     with contextlib.ExitStack() as stack:
         handles = {path: stack.enter_context(safe_open(path, framework="numpy")) for path in set(files.values())}
 
-        def read(e: llama.Entry, shape: tuple[int, ...], index: tuple[int, ...]) -> np.ndarray:
+        def read(e: Entry, shape: tuple[int, ...], index: tuple[int, ...]) -> np.ndarray:
             name = e.hf_name(index)
             if name not in files:
                 raise ConvertError(f"{src}: tensor {name} is missing")
             x = handles[files.pop(name)].get_tensor(name)
-            if x.shape != llama.hf_shape(e, shape):
+            if x.shape != hf_shape(e, shape):
                 raise ConvertError(f"{src}: tensor {name} has shape {x.shape}, config.json implies "
-                                   f"{llama.hf_shape(e, shape)}")
-            return llama.to_ours(e, x, shape)
+                                   f"{hf_shape(e, shape)}")
+            return to_ours(e, x, shape)
 
-        for e, shape in _family(m).layout(m, model_spec(m).shapes):
+        for e, shape in families.for_model(m).layout(m, model_spec(m).shapes):
             value = np.empty(shape, dtype)
             for index in np.ndindex(shape[:e.stacked]):  # one HF tensor per (layer, expert) of a stacked parameter
                 value[index] = read(e, shape[e.stacked:], index)
@@ -80,8 +87,8 @@ def from_hf(src: str, dst: str) -> Config:
             node[e.path[-1]] = value
     if m.tie_embeddings:
         files.pop("lm_head.weight", None)  # some tied checkpoints store the head as well; it is the embedding
-    family = _family(m)
-    leftover = [n for n in files if not n.endswith(llama.IGNORED_SUFFIX)
+    family = families.for_model(m)
+    leftover = [n for n in files if not n.endswith(IGNORED_SUFFIX)
                 and not (hasattr(family, "ignored") and family.ignored(m, n))]
     if leftover:
         raise ConvertError(f"{src}: tensor {leftover[0]} has no mlm_jax counterpart"
@@ -114,7 +121,7 @@ def to_hf(path: str, dst: str, dtype: str = "float32", max_shard_bytes: int = 2 
     out_dtype = EXPORT_DTYPES[dtype]
     m = c.model
     carried = {"max_position_embeddings": c.meta["config"]["train"]["seq_len"], **c.meta.get("hf", {})}
-    config = _family(m).hf_config(m, dtype, carried)
+    config = families.for_model(m).hf_config(m, dtype, carried)
     _require_empty(dst)
     spec = model_spec(m)
     try:
@@ -122,8 +129,8 @@ def to_hf(path: str, dst: str, dtype: str = "float32", max_shard_bytes: int = 2 
     except RuntimeError:  # no host platform configured
         device = jax.devices()[0]
     params = store.restore_weights(c, spec.shapes, device)
-    tensors = llama.hf_tensors(_family(m).layout(m, spec.shapes))
-    sizes = [math.prod(llama.hf_shape(e, shape)) * out_dtype.itemsize for _, e, _, shape in tensors]
+    tensors = hf_tensors(families.for_model(m).layout(m, spec.shapes))
+    sizes = [math.prod(hf_shape(e, shape)) * out_dtype.itemsize for _, e, _, shape in tensors]
     shards = _shards(sizes, max_shard_bytes)
     os.makedirs(dst, exist_ok=True)
     weight_map = {}
@@ -132,7 +139,7 @@ def to_hf(path: str, dst: str, dtype: str = "float32", max_shard_bytes: int = 2 
         out = {}
         for name, e, index, _ in (tensors[j] for j in shard):
             value = np.asarray(_get(params, e.path))[index]
-            out[name] = np.ascontiguousarray(llama.to_hf(e, value), dtype=out_dtype)
+            out[name] = np.ascontiguousarray(to_theirs(e, value), dtype=out_dtype)
             weight_map[name] = file
         save_file(out, os.path.join(dst, file), metadata={"format": "pt"})
     if len(shards) > 1:

@@ -1,6 +1,6 @@
 """Mixtral in Hugging Face terms: Mistral's attention and norms with a mixture-of-experts FFN in every layer.
 
-Pure Python and numpy, like `llama`, whose entries and layouts this reuses. Shapes: D model, E experts, F expert
+Built on `llama`, whose entries, config checks and keys this reuses. Shapes: D model, E experts, F expert
 ffn, L layers. HF keeps one tensor per (layer, expert), a Linear (out, in); we stack both: experts' gate and up
 kernels are (L, E, D, F), down (L, E, F, D), the router (L, D, E). HF's routing is ours with `router: softmax`:
 softmax over all E logits, the top k, renormalised to sum 1, no token ever dropped (`capacity_factor: null`).
@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 
 from mlm_jax.config import ModelConfig, MoEConfig
-from mlm_jax.convert import ConvertError, llama
+from mlm_jax.convert import ConvertError, format, llama
 
 ARCHITECTURE = "MixtralForCausalLM"
 DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}  # MixtralConfig's
 
 
-def _moe(path: str, name: str) -> llama.Entry:
-    return llama.Entry(("blocks", "moe", *path.split("/")), f"model.layers.{{i}}.block_sparse_moe.{name}", "linear")
+def _moe(path: str, name: str) -> format.Entry:
+    return format.Entry(("blocks", "moe", *path.split("/")), f"model.layers.{{i}}.block_sparse_moe.{name}", "linear")
 
 
 ENTRIES = (
@@ -32,8 +32,8 @@ ENTRIES = (
 )
 
 
-def layout(m: ModelConfig, shapes: dict) -> list[tuple[llama.Entry, tuple[int, ...]]]:
-    return llama.layout(m, shapes, ENTRIES, "Mixtral")
+def layout(m: ModelConfig, shapes: dict) -> list[tuple[format.Entry, tuple[int, ...]]]:
+    return format.layout(m, shapes, ENTRIES, "Mixtral")
 
 
 def model_config(hf: dict) -> ModelConfig:

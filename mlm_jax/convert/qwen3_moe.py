@@ -1,6 +1,6 @@
 """Qwen3-MoE in Hugging Face terms: Qwen3's attention (QK-norm, explicit head dim) with softmax-routed experts.
 
-Pure Python and numpy, like `llama`, whose entries and layouts this reuses. HF keeps one tensor per (layer,
+Built on `llama`, whose entries, config checks and keys this reuses. HF keeps one tensor per (layer,
 expert), a Linear (out, in); we stack both, as for Mixtral (`mixtral`). Layer i is sparse when it is not in
 `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0: our `moe.first_dense_layers` = step - 1,
 `moe.every_n_layers` = step and `moe.dense_layers` = `mlp_only_layers`; the dense layers keep Qwen3's MLP
@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 from mlm_jax.config import ModelConfig, MoEConfig
-from mlm_jax.convert import ConvertError, llama
+from mlm_jax.convert import ConvertError, format, llama
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 
-def _moe(path: str, name: str) -> llama.Entry:
-    return llama.Entry(("blocks", "moe", *path.split("/")), f"model.layers.{{i}}.mlp.{name}", "linear")
+def _moe(path: str, name: str) -> format.Entry:
+    return format.Entry(("blocks", "moe", *path.split("/")), f"model.layers.{{i}}.mlp.{name}", "linear")
 
 
 ENTRIES = (
@@ -30,8 +30,8 @@ ENTRIES = (
 )
 
 
-def layout(m: ModelConfig, shapes: dict) -> list[tuple[llama.Entry, tuple[int, ...]]]:
-    return llama.layout(m, shapes, ENTRIES, "Qwen3-MoE")
+def layout(m: ModelConfig, shapes: dict) -> list[tuple[format.Entry, tuple[int, ...]]]:
+    return format.layout(m, shapes, ENTRIES, "Qwen3-MoE")
 
 
 def model_config(hf: dict) -> ModelConfig:

@@ -12,28 +12,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from mlm_jax.data.tokenfile import BlendedTokens
-
-
-class TokenWindows:
-    """Non-overlapping windows of seq_len + 1 tokens over a flat token array (the +1 is the shifted target)."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        self.tokens = tokens
-        self.seq_len = seq_len
-        self.num_windows = max(0, (len(tokens) - 1) // seq_len)
-        if self.num_windows < 1:
-            raise ValueError(
-                f"{len(tokens)} tokens do not make one window of seq_len={seq_len} (need {seq_len + 1})"
-            )
-
-    def pairs(self, window_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, targets), int32 of shape (len(window_ids), S): window[:-1] and window[1:]."""
-        starts = np.asarray(window_ids, dtype=np.int64) * self.seq_len
-        windows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
-        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
+from mlm_jax.data.tokenfile import BlendedTokens, TokenWindows
 
 
 class StepLoader:

@@ -1,4 +1,4 @@
-"""Prepared token directories (written by `python -m mlm_jax.data.prepare`), their splits, and weighted blends.
+"""Prepared token directories (written by `python -m mlm_jax.data.prepare`), their splits, windows and blends.
 
 A directory holds `tokens.bin` (every document's tokens then its eod, as one flat uint16 or uint32 array),
 `docs.npy` (int64 start offset of each document) and `index.json` (counts, dtype, tokenizer, sources).
@@ -114,6 +114,27 @@ def check_seq_len(tokens: np.ndarray, seq_len: int, name: str) -> None:
         raise ValueError(f"{name} has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
 
 
+class TokenWindows:
+    """Non-overlapping windows of seq_len + 1 tokens over a flat token array (the +1 is the shifted target)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_windows = max(0, (len(tokens) - 1) // seq_len)
+        if self.num_windows < 1:
+            raise ValueError(
+                f"{len(tokens)} tokens do not make one window of seq_len={seq_len} (need {seq_len + 1})"
+            )
+
+    def pairs(self, window_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets), int32 of shape (len(window_ids), seq_len): window[:-1] and window[1:]."""
+        starts = np.asarray(window_ids, dtype=np.int64) * self.seq_len
+        windows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
+        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
+
+
 class BlendedTokens:
     """Windows from several token arrays, source k taking the fraction weights[k] of every prefix of window ids.
 
@@ -125,7 +146,6 @@ class BlendedTokens:
     _MAX_PERIOD = 1 << 16
 
     def __init__(self, sources: list[np.ndarray], weights: list[float], seq_len: int, seed: int):
-        from mlm_jax.data.loader import TokenWindows  # not at the top: preparing data never loads jax
         if len(sources) != len(weights) or not sources:
             raise ValueError(f"need one weight per source, got {len(sources)} sources and {len(weights)} weights")
         if not all(math.isfinite(w) and w > 0 for w in weights):

@@ -9,7 +9,7 @@ import sys
 
 from mlm_jax.checkpoint.weights import ConvertError
 from mlm_jax.config import DTYPES, ConfigError
-from mlm_jax.eval import EvalError
+from mlm_jax.eval.errors import EvalError
 from mlm_jax.eval.tasks import evaluate, missing, unknown_task
 from mlm_jax.infer.pretrained import load_pretrained, load_tokenizer
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from mlm_jax.infer.generate import generate
 from mlm_jax.infer.pretrained import Pretrained
-from mlm_jax.eval import EvalError
+from mlm_jax.eval.errors import EvalError
 from mlm_jax.eval.tokens import Codec
 
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's, for a model that does not say its context

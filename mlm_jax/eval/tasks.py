@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from mlm_jax.data.tokenizer import load_tokenizer
-from mlm_jax.eval import EvalError
+from mlm_jax.eval.errors import EvalError
 from mlm_jax.infer.pretrained import Pretrained
 from mlm_jax.validation.tasks import missing, task_manager, unknown_task
 

@@ -34,7 +34,7 @@ from mlm_jax.setup import on_mesh
 MIN_BUCKET = 16
 CACHE_STEP = 128
 STEPS_PER_CHECK = 8
-FUSE_ROWS = 5  # rows from which a decode step's products that share an input run as one (`Block.fuse_projections`)
+FUSE_ROWS = 5  # rows from which a decode step's products that share an input run as one (`infer.blocks`)
 
 
 def bucket(n: int) -> int:

@@ -2,7 +2,7 @@
 an activation out by its names.
 
 Parameters and activations carry separate names: FSDP shards a weight's `embed` dim but never an activation's.
-`constrain(x, names)` applies whatever layout the trainer installed for the trace (`layout`, built from the mesh and
+`constrain(x, names)` applies whatever layout the caller installed for the trace (`layout`, built from the mesh and
 the rules table by `parallel.sharding.activation_layout`), so layers stay free of meshes; with none installed it is
 the identity (one device, notebooks, tests). The implementations a layer runs are not found here: they are passed to
 it when it is built (`model.kernels.Kernels`).

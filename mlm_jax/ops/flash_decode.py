@@ -10,7 +10,7 @@ as in cuDNN's flash kernel; where one span covers a row's cache, each program wr
 XLA combines the spans in the fusion that feeds the output projection. What XLA would run as kernels of their own
 happens inside: the folded norm's row scale of the new query, key and value, their RoPE, and both cache writes (the
 program whose span holds the new slot stores the new key and value, the caches aliased in place); a fused q/k/v
-product (`Attention.fuse_projections`) is read as it is, with no slices of it made first, or as the few-row kernel's
+product (`infer.blocks.CachedAttention`) is read as it is, with no slices of it made first, or as the few-row kernel's
 partial products (`Product`), which each program sums for its head (XLA's product would split its sum too, then
 reduce it in a fusion of its own). llama-1b's decode step on an H200 (RESULTS.md): at one row 0.854 to 0.860 ms
 against 0.924 with cuDNN; at 32 rows 1.599 ms of kernel time against 1.644 (its attention 44.3 us a layer against
@@ -45,7 +45,7 @@ PRODUCT_BLOCKS = (64, 64, 4)
 
 
 class Product(NamedTuple):
-    """The fused q/k/v product's input and weight ([B, T, D], [D, K, G + 2, H], `Attention.fuse_projections`), for
+    """The fused q/k/v product's input and weight ([B, T, D], [D, K, G + 2, H], `infer.blocks.CachedAttention`), for
     `step` to run as the few-row kernel's partial products (`ops.gemv`), which its programs sum themselves."""
     x_BTD: jax.Array
     w_DKJH: jax.Array

@@ -105,7 +105,7 @@ def finish(squares: jax.Array, dim: int, eps: float, keepdims: bool = False) -> 
 
 def gated(x_BSD: jax.Array, w_D2F: jax.Array, row_scale: jax.Array | RowFactor | None, activation, *,
           interpret: bool = False) -> jax.Array | None:
-    """A gated MLP's hidden rows, act(g) * u, from its fused gate/up kernel (`MLP.fuse_projections`): g and u the
+    """A gated MLP's hidden rows, act(g) * u, from its fused gate/up kernel (`infer.blocks.DecodeMLP`): g and u the
     products of x with w[:, 0] and w[:, 1], each rounded to x's dtype and times the row's factor (rounded again,
     as `Linear` does), the gate's activation (a function: `mlp.GATES`) and product in fp32, rounded once. One
     program a column block of both products walks the whole contracted dim in pipelined steps, so that the

@@ -13,6 +13,10 @@ import re
 import sys
 import time
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from mlm_jax.config import ConfigError
 
 HEARTBEAT_TIMEOUT_S = 30  # jax's default is 100 s; heartbeats come from a background thread, so compiles
@@ -51,8 +55,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if coordinator is not None:
         _check_flags(coordinator, num_processes, process_id)
     ids = _device_ids(local_device_ids) if local_device_ids is not None else None
-    import jax  # only now: a mistake in the flags above is reported without the second that importing jax takes
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     try:
         jax.distributed.initialize(coordinator, num_processes, process_id, local_device_ids=ids,
@@ -65,10 +67,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 def shared_time() -> float:
     """Process 0's clock (seconds since the epoch), so every process names the same default output directory."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     now = time.time()
     if jax.process_count() == 1:
         return now
@@ -77,10 +75,6 @@ def shared_time() -> float:
 
 def any_process(flag: bool) -> bool:
     """Whether `flag` is set on any process; every process must call it (a small all-gather and a host sync)."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     if jax.process_count() == 1:
         return flag
     return bool(multihost_utils.process_allgather(np.int32(flag)).any())

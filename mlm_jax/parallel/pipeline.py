@@ -30,8 +30,10 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.model import axes as ax
+from mlm_jax.model.moe import moe_metrics
 from mlm_jax.model.transformer import default_positions
 from mlm_jax.parallel.schedule import Schedule
+from mlm_jax.parallel.recompute import stash_policy
 from mlm_jax.parallel.split_vjp import split_pullback
 from mlm_jax.parallel.stages import STAGE, ChunkLayout, run_chunk
 
@@ -182,23 +184,6 @@ def _gathered(layout: ChunkLayout, stacks, dtype=None):
 
 def _cast_floating(tree, dtype):
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
-# Elementwise and layout primitives: what the backward recomputes from the stashed values rather than stash.
-_RECOMPUTED = frozenset({
-    "abs", "add", "add_any", "and", "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "cos", "div",
-    "eq", "exp", "expand_dims", "ge", "gt", "integer_pow", "iota", "le", "log", "logistic", "lt", "max", "min",
-    "mul", "ne", "neg", "not", "or", "reshape", "rsqrt", "select_n", "sin", "slice", "sqrt", "square", "squeeze",
-    "stop_gradient", "sub", "tanh", "transpose"})
-
-
-def stash_policy(prim, *_, **__) -> bool:
-    """What a chunk's forward keeps for its backward: the outputs of matmuls, attention kernels, reductions and
-    collectives. Elementwise results (norm and activation intermediates, fp32 upcasts, casts and transposes of the
-    weights) are recomputed inside the backward's fusions, as XLA does in a program that holds forward and
-    backward together; stashing them would copy 3x the bytes into the stash at every tick (measured at
-    llama-1b: the copies took 20% of the step)."""
-    return prim.name not in _RECOMPUTED
 
 
 def _segments(schedule: Schedule) -> list[tuple[int, int, bool, bool, bool]]:
@@ -428,9 +413,7 @@ def _metrics(loss, stats_VPW, layout: ChunkLayout) -> dict:
     if not stats_VPW:
         return {"loss": loss}
     moe_layers = jnp.asarray(layout.rows("blocks"))
-    stats = jax.tree.map(lambda a: a[moe_layers], layout.canonical(stats_VPW))
-    return {"loss": loss, "moe_aux_loss": jnp.mean(stats["aux_loss"]), "moe_z_loss": jnp.mean(stats["z_loss"]),
-            "moe_dropped": stats["dropped"], "moe_load": stats["load"]}
+    return moe_metrics(loss, jax.tree.map(lambda a: a[moe_layers], layout.canonical(stats_VPW)))
 
 
 def _forward_loss(graphdef, stacks, rest, *, mesh, schedule, loss_fn, layout, moe) -> Callable:

@@ -27,14 +27,8 @@ import numpy as np
 # detail read is a scan equation's grouping of its inputs (`_scan_groups`), whose form changed in 0.11.
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Literal, jaxpr_as_fun
 
-# Elementwise and layout primitives: what W recomputes from residuals rather than have B keep.
-_CHEAP = frozenset({
-    "abs", "add", "add_any", "and", "broadcast_in_dim", "ceil", "clamp", "concatenate", "convert_element_type",
-    "copy", "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expand_dims", "floor", "ge", "gt", "integer_pow",
-    "iota", "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or",
-    "pad", "pow", "reduce_precision", "rem", "reshape", "rev", "round", "rsqrt", "select_n", "sharding_constraint",
-    "sign", "sin", "slice", "split", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan", "tanh",
-    "transpose", "xor"})
+from mlm_jax.parallel.recompute import CHEAP
+
 # Call primitives whose body is inlined, and the parameter holding it (a ClosedJaxpr, or an open Jaxpr for remat).
 _INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
             "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
@@ -174,7 +168,7 @@ class _Builder:
             invars = list(dict.fromkeys(a for a in eqn.invars if not isinstance(a, Literal)))
             one = ClosedJaxpr(Jaxpr([], invars, list(eqn.outvars), [eqn], eqn.effects,
                                     DebugInfo("split_vjp", name, None, None)), [])
-            nodes.append(_Eqn(jaxpr_as_fun(one), [env[v] for v in invars], outs, name in _CHEAP,
+            nodes.append(_Eqn(jaxpr_as_fun(one), [env[v] for v in invars], outs, name in CHEAP,
                               bool(eqn.effects)))
         return [ref(a) for a in jaxpr.outvars]
 

@@ -5,7 +5,10 @@ import argparse
 import sys
 import traceback
 
+from mlm_jax.checkpoint.state import CheckpointError
 from mlm_jax.config import ConfigError, to_yaml
+from mlm_jax.parallel import distributed
+from mlm_jax.train.loop import Trainer, TrainingStopped
 from mlm_jax.validation.config import load_config
 
 
@@ -33,11 +36,8 @@ def main(argv=None) -> int:
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
-        from mlm_jax.parallel import distributed
         joined = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                         args.local_device_ids, args.heartbeat_timeout)
-        from mlm_jax.checkpoint.state import CheckpointError  # jax is imported only when there is work to do
-        from mlm_jax.train.loop import Trainer, TrainingStopped
         try:
             Trainer(cfg).fit()
         except (CheckpointError, TrainingStopped) as e:

@@ -5,8 +5,6 @@ import dataclasses
 import functools
 import math
 import os
-import signal
-import threading
 import time
 
 import jax
@@ -24,11 +22,12 @@ from mlm_jax.infer.generate import generate
 from mlm_jax.model import axes as ax
 from mlm_jax.model.transformer import STACKS, layer_kinds, model_spec
 from mlm_jax.parallel import sharding as shd
-from mlm_jax.parallel.distributed import any_process, shared_time
+from mlm_jax.parallel.distributed import shared_time
 from mlm_jax.parallel.pipeline import pipeline_loss, pipeline_value_and_grad
 from mlm_jax.parallel.schedule import SCHEDULES, Schedule
 from mlm_jax.parallel.stages import ChunkLayout, chunk_sizes
 from mlm_jax.setup import setup
+from mlm_jax.train import hooks as hk
 from mlm_jax.train import metrics as mt
 from mlm_jax.train.loss import head_loss
 from mlm_jax.train.optimizer import make_optimizer, schedule
@@ -259,77 +258,74 @@ class Trainer:
         SIGTERM or SIGINT finishes the current step, saves and returns. With `train.nan_policy=stop`, a non-finite
         step saves the state (the bad update dropped) and raises `TrainingStopped`.
         """
-        t, saving = self.cfg.train, self.cfg.checkpoint.save
+        t = self.cfg.train
         start = int(self.state.step)
         end = t.steps if steps is None else start + steps
-        records: list[dict] = []
+        records = hk.Records(self.log)
         if start >= end:
-            return records
-        stop = _StopSignal()
-        profiler = _Profiler(self.cfg.log, t.output_dir, self.is_main)
+            return records.items
+        throughput = hk.Throughput(start, t.global_batch_size * t.seq_len, self.flops_per_token,
+                                   len(self.mesh.devices.flat), self.peak)
+        hooks = hk.Hooks(self._hooks(start, throughput, records))
         prefetch = data_lib.Prefetcher(self.loader, self.batch_sharding, start)
         try:
             batch = prefetch.get(start)
-            if self._compiled is None:
-                t0 = time.perf_counter()
-                self._compiled = self._train_step.lower(self.state, batch).compile()
-                self.compile_time_s = time.perf_counter() - t0
-                if self.is_main:
-                    self._startup_report()
-            tokens_per_step = t.global_batch_size * t.seq_len
+            self._compile(batch)
             self.log.start = time.perf_counter()
-            window_start, window_steps, skipped = time.perf_counter(), 0, int(self.state.skipped_steps)
+            throughput.restart()
             for step in range(start, end):
                 if step > start:
                     batch = prefetch.get(step)
-                profiler.before(step + 1)
-                self.state, pending, *kept = self._compiled(self.state, batch)
-                if kept:
-                    self.last_gradients = kept[0]
-                window_steps += 1
-                done = step + 1
-                profiler.after(done, self.state)
-                logged = done % t.log_every == 0 or done == end  # the steps whose metrics the host fetches
-                if logged:
-                    pending = jax.device_get(pending)
-                    elapsed = time.perf_counter() - window_start
-                    rec = {"step": done, **{k: mt.plain(v) for k, v in pending.items()}}
-                    rec.update(mt.throughput(tokens_per_step * window_steps, elapsed, self.flops_per_token,
-                                             len(self.mesh.devices.flat), self.peak))
-                    rec["step_time_s"] = elapsed / window_steps
-                    records.append(rec)
-                    self.log.write(rec)
-                    if t.nan_policy == "stop" and pending["skipped_steps"] > skipped:
-                        self._stop_on_nan(done - window_steps + 1, done, int(pending["skipped_steps"]) - skipped)
-                    window_start, window_steps = time.perf_counter(), 0
-                if t.eval_every and (done % t.eval_every == 0 or done == end):
-                    rec = {"step": done, "eval_loss": self.evaluate()}
-                    records.append(rec)
-                    self.log.write(rec)
-                    window_start = time.perf_counter()
-                if self.cfg.eval.tasks and self.cfg.eval.every and (done % self.cfg.eval.every == 0 or done == end):
-                    rec = {"step": done, **self.evaluate_tasks()}
-                    records.append(rec)
-                    self.log.write(rec)
-                    window_start = time.perf_counter()
-                stopping = stop.agreed(logged)
-                if saving and (self.checkpointer.due(done) or done == t.steps or stopping):
-                    self.save()
-                if stopping:
-                    self._wait_for_saves()
-                    self.log.end_line()
-                    if self.is_main:
-                        print(f"received {stop.received}: " + (
-                            f"saved checkpoint at step {done} to {self.checkpointer.directory}/{done}" if saving
-                            else f"stopped at step {done} without a checkpoint (checkpoint.save=false)"))
+                hooks.before(step + 1)
+                info = self._step(batch, step + 1, end)
+                hooks.after(info)
+                if info.stop:
+                    self._report_stop(info.stop, info.done)
                     break
         finally:
-            profiler.stop()
-            stop.restore()
+            hooks.close()
             prefetch.close()
             self.log.end_line()
             self._wait_for_saves()
-        return records
+        return records.items
+
+    def _hooks(self, start: int, throughput: hk.Throughput, records: hk.Records) -> list[hk.Hook]:
+        """The fit's side jobs in the order they run after a step (see each for why there)."""
+        t, cfg = self.cfg.train, self.cfg
+        hooks = [hk.Profile(cfg.log, t.output_dir, self.is_main), hk.LogMetrics(t.log_every, throughput, records)]
+        if t.nan_policy == "stop":
+            hooks.append(hk.StopOnNonFinite(t.log_every, start, int(self.state.skipped_steps), self._stop_on_nan))
+        hooks += [hk.Evaluate(t.eval_every, lambda: {"eval_loss": self.evaluate()}, throughput, records),
+                  hk.Evaluate(cfg.eval.every if cfg.eval.tasks else 0, self.evaluate_tasks, throughput, records),
+                  hk.StopOnSignal(t.log_every)]
+        if cfg.checkpoint.save:
+            hooks.append(hk.SaveCheckpoint(self.checkpointer.due, t.steps, self.save))
+        return hooks
+
+    def _compile(self, batch: dict) -> None:
+        """Compiles the train step on the first fit only, then reports what the run is."""
+        if self._compiled is not None:
+            return
+        t0 = time.perf_counter()
+        self._compiled = self._train_step.lower(self.state, batch).compile()
+        self.compile_time_s = time.perf_counter() - t0
+        if self.is_main:
+            self._startup_report()
+
+    def _step(self, batch: dict, done: int, end: int) -> hk.StepInfo:
+        self.state, metrics, *kept = self._compiled(self.state, batch)
+        if kept:
+            self.last_gradients = kept[0]
+        return hk.StepInfo(done, end, self.state, metrics)
+
+    def _report_stop(self, received: str, done: int) -> None:
+        """After a signal's save, once written: the message then names a checkpoint that is complete."""
+        self._wait_for_saves()
+        self.log.end_line()
+        if self.is_main:
+            print(f"received {received}: " + (
+                f"saved checkpoint at step {done} to {self.checkpointer.directory}/{done}" if self.cfg.checkpoint.save
+                else f"stopped at step {done} without a checkpoint (checkpoint.save=false)"))
 
     def _stop_on_nan(self, first: int, last: int, dropped: int) -> None:
         """`train.nan_policy=stop`, checked on logged steps only (no host wait on the others): every non-finite
@@ -361,61 +357,3 @@ class Trainer:
             print(f"resumed from {self.resumed_from}")
         if cfg.log.sharding_report:
             print(self.sharding_report())
-
-
-class _Profiler:
-    """A jax.profiler trace of steps `log.profile_steps = [a, b]` (1-based, inclusive), Perfetto JSON included."""
-
-    def __init__(self, log_cfg, output_dir: str, is_main: bool):
-        self.steps = log_cfg.profile_steps
-        self.directory = log_cfg.profile_dir or os.path.join(output_dir, "profile")
-        if jax.process_count() > 1:  # processes sharing a host would overwrite each other's files
-            self.directory = os.path.join(self.directory, f"process_{jax.process_index()}")
-        self.is_main = is_main
-        self.active = False
-
-    def before(self, step: int) -> None:
-        if self.steps and step == self.steps[0]:
-            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
-            self.active = True
-
-    def after(self, step: int, state) -> None:
-        if self.active and step >= self.steps[1]:
-            jax.block_until_ready(state)
-            self.stop()
-            if self.is_main:
-                print(f"profile of steps {self.steps[0]}..{step} written to {self.directory}")
-
-    def stop(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
-
-
-class _StopSignal:
-    """SIGTERM/SIGINT set a flag that the loop checks after each step (main thread only)."""
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
-
-    def agreed(self, logged: bool) -> str | None:
-        """The signal, once any process has received one: all processes stop after the same step. Several
-        processes agree only on logged steps, which wait for the device anyway, so a signal is acted on within one
-        logging interval."""
-        if jax.process_count() > 1 and not logged:
-            return None
-        if not any_process(self.received is not None):
-            return None  # a signal arriving during the agreement waits for the next one, on every process alike
-        self.received = self.received or "a signal on another process"
-        return self.received
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)

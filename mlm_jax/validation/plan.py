@@ -148,7 +148,6 @@ def _check_moe_layout(cfg: Config, d: dict[str, int]) -> None:
 def _check_capacity_groups(cfg: Config, d: dict[str, int], M: int) -> None:
     """Capacity is counted per group of rows (`model.moe.capacity_group_rows`): a device must hold whole groups,
     so that every layout drops the same assignments."""
-    from mlm_jax.parallel.mesh import data_parallel_degree
     moe = cfg.model.moe
     g = moe.capacity_group_rows
     if d["context"] > 1:
