@@ -59,7 +59,7 @@ def attend_cached(q_BTNH: jax.Array, k_BCKH: jax.Array, v_BCKH: jax.Array, posit
     cache; K/V heads may be fewer than query heads (GQA). One query per row (a decode step) with `impl` cudnn
     runs cuDNN's flash kernel over the written slots (all of which the query sees: the slots of a sliding-window
     layer are its window); otherwise a matrix-vector product per head with the softmax in fp32. (A decode step on
-    one GPU takes `ops.flash_decode` instead where it takes the shapes, from `Attention.decode`.)"""
+    one GPU takes `ops.flash_decode` instead where it takes the shapes, from `infer.blocks.CachedAttention.decode`.)"""
     B, T, N, H = q_BTNH.shape
     C, K = k_BCKH.shape[1:3]
     if T == 1 and sees_every_slot(C, window) and impl == "cudnn":

@@ -198,7 +198,7 @@ class ChunkLayout:
 
     @cached_property
     def chunk_slots(self) -> ChunkSlots:
-        """The slots as the model runs them (`Transformer.run_chunk`)."""
+        """The slots as the model runs them (`run_chunk`)."""
         V, P, W = self.slots.shape
         used = self.active.reshape(V * P, W)
         local = self.local.reshape(V * P, W)
