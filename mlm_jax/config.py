@@ -273,6 +273,9 @@ class DataConfig:
     tokenizer: str = "byte"
     validation_fraction: float = number(0.05, gt=0, lt=1)
     max_bytes: int | None = positive(None)
+    # each document of a window attends only to itself, its positions count from its start, and the target after its
+    # end-of-document token is not trained on (`data/documents.py`)
+    document_masking: bool = True
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ class Datasets:
     train: np.ndarray | BlendedTokens
     validation: np.ndarray | BlendedTokens
     description: str
+    eod_id: int  # the token that ends every document
 
 
 def build_datasets(d: DataConfig, seq_len: int, vocab_size: int, seed: int) -> Datasets:
@@ -34,7 +35,7 @@ def build_datasets(d: DataConfig, seq_len: int, vocab_size: int, seed: int) -> D
             check_seq_len(corpus.train, seq_len, "the embedded corpus")
         except ValueError as e:
             raise ConfigError(f"data: {e}") from None
-        return Datasets(corpus.train, corpus.validation, corpus.description)
+        return Datasets(corpus.train, corpus.validation, corpus.description, ByteTokenizer.eod_id)
     try:
         tokenizer = load_tokenizer(d.tokenizer)
     except (OSError, ValueError, ImportError) as e:
@@ -61,4 +62,4 @@ def build_datasets(d: DataConfig, seq_len: int, vocab_size: int, seed: int) -> D
     weights = d.weights or [float(len(t)) for t in trains]
     described = ", ".join(f"{p} ({len(t):,} train tokens, weight {w:g})" for p, t, w in zip(d.paths, trains, weights))
     return Datasets(BlendedTokens(trains, weights, seq_len, seed), BlendedTokens(vals, weights, seq_len, seed),
-                    f"{len(d.paths)} prepared dir(s): {described}")
+                    f"{len(d.paths)} prepared dir(s): {described}", tokenizer.eod_id)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
+from mlm_jax.data.documents import FIELDS, document_fields
 from mlm_jax.data.tokenfile import BlendedTokens, TokenWindows
 
 
@@ -22,7 +23,8 @@ class StepLoader:
     samples [s·B, (s+1)·B).
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int,
+                 eod_id: int | None = None):
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
         # A blend is already shuffled and holds its weights within every step, so it is read in order.
@@ -33,6 +35,7 @@ class StepLoader:
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self.eod_id = eod_id  # documents kept apart (`data.documents`) where given
         self._epoch_perm = (-1, np.empty(0, np.int64))  # replaced whole, so readers on any thread see a pair
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -57,6 +60,21 @@ class StepLoader:
             window_ids[in_epoch] = self._permutation(int(epoch))[positions[in_epoch]]
         return self.windows.pairs(window_ids)
 
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The arrays of every batch: inputs and targets, and the documents' fields where they are kept apart."""
+        return ("inputs", "targets") + (FIELDS if self.eod_id is not None else ())
+
+    def fields(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        """`rows` as a dict of `keys`."""
+        return with_documents(*self.rows(step, start, stop), self.eod_id)
+
+
+def with_documents(inputs_RS: np.ndarray, targets_RS: np.ndarray, eod_id: int | None) -> dict[str, np.ndarray]:
+    """A batch's host arrays: inputs and targets, and where `eod_id` is given, its documents' fields."""
+    out = {"inputs": inputs_RS, "targets": targets_RS}
+    return out if eod_id is None else {**out, **document_fields(inputs_RS, eod_id)}
+
 
 def local_row_range(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
     """The [start, stop) rows of dim 0 that this process's devices hold."""
@@ -69,23 +87,17 @@ def local_row_range(sharding: jax.sharding.Sharding, global_shape: tuple[int, ..
     return start, stop
 
 
-def _local_rows(loader: StepLoader, step: int, sharding: jax.sharding.Sharding) -> tuple[np.ndarray, np.ndarray]:
-    return loader.rows(step, *local_row_range(sharding, (loader.global_batch_size, loader.seq_len)))
+def _local_rows(loader: StepLoader, step: int, sharding: jax.sharding.Sharding) -> dict[str, np.ndarray]:
+    return loader.fields(step, *local_row_range(sharding, (loader.global_batch_size, loader.seq_len)))
 
 
-def _assemble(
-    loader: StepLoader, sharding: jax.sharding.Sharding, rows: tuple[np.ndarray, np.ndarray]
-) -> dict[str, jax.Array]:
+def _assemble(loader: StepLoader, sharding: jax.sharding.Sharding, rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     shape_BS = (loader.global_batch_size, loader.seq_len)
-    inputs_RS, targets_RS = rows
-    return {
-        "inputs": jax.make_array_from_process_local_data(sharding, inputs_RS, shape_BS),
-        "targets": jax.make_array_from_process_local_data(sharding, targets_RS, shape_BS),
-    }
+    return {k: jax.make_array_from_process_local_data(sharding, v, shape_BS) for k, v in rows.items()}
 
 
 def global_batch(loader: StepLoader, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
-    """{"inputs", "targets"}: global (B, S) arrays, built from only the rows this process's devices hold."""
+    """`loader.keys`: global (B, S) arrays, built from only the rows this process's devices hold."""
     return _assemble(loader, sharding, _local_rows(loader, step, sharding))
 
 

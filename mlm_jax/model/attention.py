@@ -45,34 +45,46 @@ def unavailable(kernel: str, dtype, platform: str) -> str | None:
 
 
 def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, kernels: Kernels, window: int | None = None,
-           local: bool | jax.Array = True) -> jax.Array:
+           local: bool | jax.Array = True, segment_ids_BS: jax.Array | None = None) -> jax.Array:
     """Causal attention, within a sliding `window` where `local` (a traced bool in a pipeline chunk whose layers
-    differ by kind from chunk to chunk); K/V heads may be fewer than query heads (GQA), never repeated in memory.
+    differ by kind from chunk to chunk), and within each token's segment where `segment_ids_BS` says (documents
+    packed in a row see only themselves); K/V heads may be fewer than query heads (GQA), never repeated in memory.
 
     Through the layout's own attention where `kernels.attend` names one (context parallelism, which gets the sequence
-    in its load-balanced order; pipeline stages), with the kernel `kernels.attention` names; every one takes `window`
-    and `local`.
+    in its load-balanced order; pipeline stages), with the kernel `kernels.attention` names; every one takes
+    `window`, `local` and `segment_ids`.
     """
     if local is False or window is None:
         window, local = None, True
     return (kernels.attend or local_attention)(q_BSNH, k_BSKH, v_BSKH, impl=kernels.attention, window=window,
-                                               local=local)
+                                               local=local, segment_ids=segment_ids_BS)
 
 
 def local_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, impl: str,
-                    window: int | None = None, local: bool | jax.Array = True) -> jax.Array:
+                    window: int | None = None, local: bool | jax.Array = True,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention through the kernel `impl` names (cudnn, xla or te), with no collective of its own. A
     window is cuDNN's local window on GPUs (blocks outside it are skipped), a mask in XLA; a traced `local` picks
-    windowed or full attention in a `lax.cond` (inside a pipeline stage, in the kernel's fully manual region)."""
+    windowed or full attention in a `lax.cond` (inside a pipeline stage, in the kernel's fully manual region).
+    `segment_ids` ([B, S]) add a mask: a query sees only the keys of its own segment."""
     if impl == "te":
+        if segment_ids is not None:  # `validation.plan` refuses the run; here for a model called directly
+            raise ValueError("Transformer Engine attention (model.attention_impl=te) keeps no segments apart")
         return te.attend(q_BSNH, k_BSKH, v_BSKH)
+    mask_B1SS = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
 
     def kernel(window):
-        return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, is_causal=True, implementation=impl,
+        return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, mask=mask_B1SS, is_causal=True,
+                                            implementation=impl,
                                             local_window_size=None if window is None else (window - 1, 0))
     if window is None or local is True:
         return kernel(window)
     return jax.lax.cond(local, lambda: kernel(window), lambda: kernel(None))
+
+
+def segment_mask(q_segment_ids_BT: jax.Array, k_segment_ids_BS: jax.Array) -> jax.Array:
+    """[B, 1, T, S]: whether query t and key s are in the same segment."""
+    return (q_segment_ids_BT[:, None, :, None] == k_segment_ids_BS[:, None, None, :])
 
 
 class Attention(nnx.Module):
@@ -97,11 +109,12 @@ class Attention(nnx.Module):
         self.v = Linear("bsd,dkh->bskh", (c.dim, c.kv_heads, c.head_dim), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
                         **qkv)
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool | jax.Array = False) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool | jax.Array = False,
+                 segment_ids_BS: jax.Array | None = None) -> jax.Array:
         """`local`: a sliding-window layer (its window and RoPE), or a traced bool saying so (a pipeline chunk,
-        `parallel.stages.run_chunk`)."""
+        `parallel.stages.run_chunk`); `segment_ids_BS`: each token's segment (`attend`)."""
         q_BSNH, k_BSKH, v_BSKH = self.project(x_BSD, positions_BS, local)
-        return self.out(attend(q_BSNH, k_BSKH, v_BSKH, self.kernels, self.c.window, local))
+        return self.out(attend(q_BSNH, k_BSKH, v_BSKH, self.kernels, self.c.window, local, segment_ids_BS))
 
     def project(self, x_BSD: jax.Array, positions_BS: jax.Array, local,
                 row_scale_BS1: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:

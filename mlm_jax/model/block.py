@@ -63,10 +63,12 @@ class Block(nnx.Module):
         else:
             self.moe = MoE(c.moe, **kw)
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> tuple[jax.Array, dict]:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False,
+                 segment_ids_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The block's output and, for an MoE block, its routing statistics (`MoE.route`); `local`: a
-        sliding-window layer."""
-        x_BSD, stats, _ = self.run(x_BSD, lambda h_BSD, _: (self.attn(h_BSD, positions_BS, local), None))
+        sliding-window layer; `segment_ids_BS`: each token's document, which attention keeps apart."""
+        x_BSD, stats, _ = self.run(x_BSD, lambda h_BSD, _: (self.attn(h_BSD, positions_BS, local, segment_ids_BS),
+                                                           None))
         return x_BSD, stats
 
     def run(self, x_BSD: jax.Array, attention, folded: bool = False) -> tuple[jax.Array, dict, object]:

@@ -64,10 +64,11 @@ class LatentAttention(nnx.Module):
         self.o = Linear("bsnh,nhd->bsd", (N, c.v_dim, c.dim), (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
                         **{**kw, "std": out_std})
 
-    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, local: bool = False,
+                 segment_ids_BS: jax.Array | None = None) -> jax.Array:
         q_BSNH = self.query(x_BSD, positions_BS)
         k_BSNH, v_BSNH = self.expand(*self.latent(x_BSD, positions_BS))
-        return self.out(attend(q_BSNH, k_BSNH, v_BSNH, self.kernels)[..., :self.c.v_dim])
+        return self.out(attend(q_BSNH, k_BSNH, v_BSNH, self.kernels, segment_ids_BS=segment_ids_BS)[..., :self.c.v_dim])
 
     def out(self, out_BSNV: jax.Array) -> jax.Array:
         return self.o(ax.constrain(out_BSNV, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_HEADS, None)))

@@ -134,18 +134,23 @@ class Transformer(nnx.Module):
             self.head = Linear("bsd,dv->bsv", (m.hidden_size, m.vocab_size), (ax.EMBED, ax.VOCAB),
                                std=m.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs, kernels=kernels)
 
-    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> jax.Array:
-        return self.forward(tokens_BS, positions_BS)[0]
+    def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
+                 segment_ids_BS: jax.Array | None = None) -> jax.Array:
+        """Logits. `segment_ids_BS`: each token's document (several may share a row; each sees only itself);
+        `positions_BS`: each token's RoPE position, by default counted from the start of its segment."""
+        return self.forward(tokens_BS, positions_BS, segment_ids_BS)[0]
 
-    def forward(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    def forward(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
+                segment_ids_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Logits and the MoE layers' routing statistics (each stacked along a leading MoE-layer dim; {} if dense)."""
-        x_BSD, stats = self.hidden(tokens_BS, positions_BS)
+        x_BSD, stats = self.hidden(tokens_BS, positions_BS, segment_ids_BS)
         return self.logits(x_BSD), stats
 
-    def hidden(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    def hidden(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
+               segment_ids_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The last block's output (before the final norm) and the routing statistics of `forward`."""
         if positions_BS is None:
-            positions_BS = default_positions(tokens_BS)
+            positions_BS = default_positions(tokens_BS) if segment_ids_BS is None else segment_positions(segment_ids_BS)
         with jax.named_scope("embed"):
             x_BSD = self.embed(tokens_BS)
         stats, per_layer = [], {}
@@ -157,26 +162,27 @@ class Transformer(nnx.Module):
                 stack = per_layer[kind[0]][start:start + count]
             elif len(self.runs) > 1:
                 stack = jax.tree.map(lambda w: w[start:start + count], stack)
-            x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, stack, kind)
+            x_BSD, run_stats = self.run_blocks(x_BSD, positions_BS, stack, kind, segment_ids_BS)
             if run_stats:
                 stats.append(run_stats)
         stats = jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if len(stats) > 1 else (stats or [{}])[0]
         return x_BSD, stats
 
     def block_fn(self, kind: Kind):
-        """`(x_BSD, positions_BS, layer_state) -> (x_BSD, MoE statistics)`: one layer of `kind`, with the model's
-        recompute policy."""
+        """`(x_BSD, positions_BS, layer_state, segment_ids_BS=None) -> (x_BSD, MoE statistics)`: one layer of
+        `kind`, with the model's recompute policy."""
         stack, local = kind
         graphdef = nnx.graphdef(getattr(self, stack))
 
-        def block(x_BSD, positions_BS, layer_state):
-            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, local)
+        def block(x_BSD, positions_BS, layer_state, segment_ids_BS=None):
+            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, local, segment_ids_BS)
 
         if self.remat != "none":
             block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
         return block
 
-    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, layers, kind: Kind) -> tuple[jax.Array, dict]:
+    def run_blocks(self, x_BSD: jax.Array, positions_BS: jax.Array, layers, kind: Kind,
+                   segment_ids_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Layers of one kind in order (`layers`: their stacked weights, scanned, or a list of each layer's
         weights, `split_layers`, unrolled); returns the output and the per-layer MoE statistics.
 
@@ -185,7 +191,7 @@ class Transformer(nnx.Module):
         stacked either way, so checkpoints and shardings do not depend on the choice.
         """
         block = self.block_fn(kind)
-        layer = lambda x_BSD, layer_state: block(x_BSD, positions_BS, layer_state)  # noqa: E731
+        layer = lambda x_BSD, layer_state: block(x_BSD, positions_BS, layer_state, segment_ids_BS)  # noqa: E731
         if self.scan_layers:
             return jax.lax.scan(layer, x_BSD, layers)
         stats = []
@@ -234,6 +240,14 @@ def split_layers(stacked) -> list:
 
 def default_positions(tokens_BS: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+
+
+def segment_positions(segment_ids_BS: jax.Array) -> jax.Array:
+    """Each token's position within its segment (a run of equal ids): RoPE restarts at every document."""
+    index_BS = default_positions(segment_ids_BS)
+    starts_BS = jnp.concatenate([jnp.ones_like(segment_ids_BS[:, :1], bool),
+                                 segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1)
+    return index_BS - jax.lax.cummax(jnp.where(starts_BS, index_BS, 0), axis=1)
 
 
 class ModelSpec(NamedTuple):

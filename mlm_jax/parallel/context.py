@@ -46,7 +46,10 @@ from mlm_jax.parallel.rules import DATA_AXES
 
 CONTEXT, TENSOR = "context", "tensor"
 
-Kernel = Callable[..., tuple[jax.Array, jax.Array]]  # (q, k, v, causal, impl) -> (out, lse_BTN)
+Kernel = Callable[..., tuple[jax.Array, jax.Array]]  # (q, k, v, causal, impl, mask) -> (out, lse_BTN)
+# A masked score: finite, so that a query row with no key of its segment in a block gets a finite lse far below any
+# real one (its output then weighs nothing in the merge, and no gradient is NaN), where -inf would give NaNs.
+MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
 def load_balance_order(seq_len: int, cp: int) -> np.ndarray:
@@ -57,12 +60,14 @@ def load_balance_order(seq_len: int, cp: int) -> np.ndarray:
     return np.concatenate([chunks[i] for r in range(cp) for i in (r, 2 * cp - 1 - r)])
 
 
-def _jnp_attention(q_BTNH, k_BSKH, v_BSKH, causal: bool):
-    """XLA block: fp32 scores, plain autodiff through both outputs."""
+def _jnp_attention(q_BTNH, k_BSKH, v_BSKH, causal: bool, mask_BTS=None):
+    """XLA block: fp32 scores, plain autodiff through both outputs; `mask_BTS` keeps each query to its segment."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32) / np.sqrt(H)
+    if mask_BTS is not None:
+        s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, MASKED)
     if causal:  # square and aligned top-left
         s_BKGTS = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_BKGTS, -jnp.inf)
     lse_BKGT = jax.nn.logsumexp(s_BKGTS, axis=-1)
@@ -71,35 +76,37 @@ def _jnp_attention(q_BTNH, k_BSKH, v_BSKH, causal: bool):
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype), lse_BKGT.transpose(0, 3, 1, 2).reshape(B, T, N)
 
 
-def _fused_attention(q_BTNH, k_BSKH, v_BSKH, causal: bool, impl: str):
+def _fused_attention(q_BTNH, k_BSKH, v_BSKH, causal: bool, impl: str, mask_BTS=None):
     """`jax.nn.dot_product_attention` with its lse (B T N, no gradient) in fp32."""
-    out_BTNH, lse_BTN = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=1 / np.sqrt(q_BTNH.shape[-1]),
-                                                     is_causal=causal, implementation=impl, return_residual=True)
+    mask = None if mask_BTS is None else mask_BTS[:, None]
+    out_BTNH, lse_BTN = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask,
+                                                     scale=1 / np.sqrt(q_BTNH.shape[-1]), is_causal=causal,
+                                                     implementation=impl, return_residual=True)
     return out_BTNH, jax.lax.stop_gradient(lse_BTN.astype(jnp.float32))
 
 
 def with_lse_gradient(kernel: Kernel) -> Kernel:
     """`kernel` (whose lse carries no gradient) with the lse's gradient added in a custom VJP."""
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-    def attention(q_BTNH, k_BSKH, v_BSKH, causal, impl):
-        return kernel(q_BTNH, k_BSKH, v_BSKH, causal, impl)
+    def attention(q_BTNH, k_BSKH, v_BSKH, causal, impl, mask_BTS=None):
+        return kernel(q_BTNH, k_BSKH, v_BSKH, causal, impl, mask_BTS)
 
-    def fwd(q_BTNH, k_BSKH, v_BSKH, causal, impl):
-        out_BTNH, pullback, lse_BTN = jax.vjp(lambda q, k, v: kernel(q, k, v, causal, impl),
+    def fwd(q_BTNH, k_BSKH, v_BSKH, causal, impl, mask_BTS=None):
+        out_BTNH, pullback, lse_BTN = jax.vjp(lambda q, k, v: kernel(q, k, v, causal, impl, mask_BTS),
                                               q_BTNH, k_BSKH, v_BSKH, has_aux=True)
-        return (out_BTNH, lse_BTN), (pullback, q_BTNH, k_BSKH)
+        return (out_BTNH, lse_BTN), (pullback, q_BTNH, k_BSKH, mask_BTS)
 
     def bwd(causal, impl, res, cts):
-        pullback, q_BTNH, k_BSKH = res
+        pullback, q_BTNH, k_BSKH, mask_BTS = res
         d_out_BTNH, d_lse_BTN = cts
         dq_BTNH, dk_BSKH, dv_BSKH = pullback(d_out_BTNH)
         # Attention with K as the values: its output is P K, and its VJP in the values is P^T x (summed over a
         # GQA group's query heads, as dk needs).
-        pk_BTNH, p_t = jax.vjp(lambda vals: kernel(q_BTNH, k_BSKH, vals, causal, impl)[0], k_BSKH)
+        pk_BTNH, p_t = jax.vjp(lambda vals: kernel(q_BTNH, k_BSKH, vals, causal, impl, mask_BTS)[0], k_BSKH)
         w_BTN1 = d_lse_BTN[..., None] / np.sqrt(q_BTNH.shape[-1])
         dq_BTNH = dq_BTNH + (w_BTN1 * pk_BTNH.astype(jnp.float32)).astype(dq_BTNH.dtype)
         dk_BSKH = dk_BSKH + p_t((w_BTN1 * q_BTNH.astype(jnp.float32)).astype(q_BTNH.dtype))[0]
-        return dq_BTNH, dk_BSKH, dv_BSKH
+        return dq_BTNH, dk_BSKH, dv_BSKH, None
 
     attention.defvjp(fwd, bwd)
     return attention
@@ -108,12 +115,14 @@ def with_lse_gradient(kernel: Kernel) -> Kernel:
 _fused_attention_with_lse_gradient = with_lse_gradient(_fused_attention)
 
 
-def attention_with_lse(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, impl: str) -> tuple[jax.Array, jax.Array]:
-    """One block: output in q's dtype and fp32 lse (B T N), both differentiable. Causal blocks are square."""
+def attention_with_lse(q_BTNH, k_BSKH, v_BSKH, *, causal: bool, impl: str,
+                       mask_BTS: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """One block: output in q's dtype and fp32 lse (B T N), both differentiable. Causal blocks are square;
+    `mask_BTS` keeps each query to the keys of its segment."""
     if impl == "xla":
-        return _jnp_attention(q_BTNH, k_BSKH, v_BSKH, causal)
+        return _jnp_attention(q_BTNH, k_BSKH, v_BSKH, causal, mask_BTS)
     if impl == "cudnn":
-        return _fused_attention_with_lse_gradient(q_BTNH, k_BSKH, v_BSKH, causal, impl)
+        return _fused_attention_with_lse_gradient(q_BTNH, k_BSKH, v_BSKH, causal, impl, mask_BTS)
     raise ValueError(f"context-parallel attention supports impl 'xla' or 'cudnn', not {impl!r}")
 
 
@@ -135,51 +144,67 @@ def _merge_at(acc, i, out_BCNH, lse_BCN):
             jax.lax.dynamic_update_index_in_dim(acc_lse_B2CN, lse_BCN, i, 1))
 
 
-def _diagonal_step(q_B2CNH, k_B2CKH, v_B2CKH, impl):
+def _mask(seg_q_BC, seg_k_BC):
+    """[B, C, C] same-segment mask of a block, or None without segment ids."""
+    return None if seg_q_BC is None else seg_q_BC[:, :, None] == seg_k_BC[:, None, :]
+
+
+def _diagonal_step(q_B2CNH, k_B2CKH, v_B2CKH, impl, seg_q_B2C=None, seg_k_B2C=None):
     """Own keys: (A,A) and (B,B) causal in one call, (B,A) full; returns the fp32 accumulator."""
     B, _, C, N, H = q_B2CNH.shape
     flat = lambda x: x.reshape(2 * B, C, *x.shape[3:])  # (A, B) pairs of each sequence along batch: no copy
-    out, lse = attention_with_lse(flat(q_B2CNH), flat(k_B2CKH), flat(v_B2CKH), causal=True, impl=impl)
+    flat_mask = None if seg_q_B2C is None else _mask(flat(seg_q_B2C), flat(seg_k_B2C))
+    out, lse = attention_with_lse(flat(q_B2CNH), flat(k_B2CKH), flat(v_B2CKH), causal=True, impl=impl,
+                                  mask_BTS=flat_mask)
     acc = out.reshape(B, 2, C, N, H).astype(jnp.float32), lse.reshape(B, 2, C, N)
-    out_BCNH, lse_BCN = attention_with_lse(q_B2CNH[:, 1], k_B2CKH[:, 0], v_B2CKH[:, 0], causal=False, impl=impl)
+    mask = None if seg_q_B2C is None else _mask(seg_q_B2C[:, 1], seg_k_B2C[:, 0])
+    out_BCNH, lse_BCN = attention_with_lse(q_B2CNH[:, 1], k_B2CKH[:, 0], v_B2CKH[:, 0], causal=False, impl=impl,
+                                           mask_BTS=mask)
     return _merge_at(acc, 1, out_BCNH, lse_BCN)
 
 
-def _off_diagonal_step(acc, q_B2CNH, k_B2CKH, v_B2CKH, s, r, impl):
+def _off_diagonal_step(acc, q_B2CNH, k_B2CKH, v_B2CKH, s, r, impl, seg_q_B2C=None, seg_k_B2C=None):
     """Keys of rank s != r: s < r gives (A_r,A_s), (B_r,A_s); s > r gives (B_r,A_s), (B_r,B_s); one call."""
     B, _, C, N, H = q_B2CNH.shape
     i = (s > r).astype(jnp.int32)  # query chunk of the first block, key chunk of the second
     pick = lambda x, j: jax.lax.dynamic_index_in_dim(x, j, 1, keepdims=False)
     pair = lambda x0, x1: jnp.stack([x0, x1], 1).reshape(2 * B, C, *x0.shape[2:])
+    mask = None
+    if seg_q_B2C is not None:
+        mask = _mask(pair(pick(seg_q_B2C, i), seg_q_B2C[:, 1]), pair(seg_k_B2C[:, 0], pick(seg_k_B2C, i)))
     out, lse = attention_with_lse(pair(pick(q_B2CNH, i), q_B2CNH[:, 1]), pair(k_B2CKH[:, 0], pick(k_B2CKH, i)),
-                                  pair(v_B2CKH[:, 0], pick(v_B2CKH, i)), causal=False, impl=impl)
+                                  pair(v_B2CKH[:, 0], pick(v_B2CKH, i)), causal=False, impl=impl, mask_BTS=mask)
     out_B2CNH, lse_B2CN = out.reshape(B, 2, C, N, H), lse.reshape(B, 2, C, N)
     acc = _merge_at(acc, i, out_B2CNH[:, 0], lse_B2CN[:, 0])
     return _merge_at(acc, 1, out_B2CNH[:, 1], lse_B2CN[:, 1])
 
 
-def _local_attention(q_BLNH, k_BLKH, v_BLKH, *, strategy: str, impl: str, cp: int):
-    """One rank's shard (L = 2C local tokens: chunks A and B) against every rank's keys."""
+def _local_attention(q_BLNH, k_BLKH, v_BLKH, seg_BL=None, *, strategy: str, impl: str, cp: int):
+    """One rank's shard (L = 2C local tokens: chunks A and B) against every rank's keys; the keys' segment ids
+    (`seg_BL`, where the batch has them) travel with them."""
     B, L, N, H = q_BLNH.shape
     chunks = lambda x: x.reshape(B, 2, L // 2, *x.shape[2:])
-    q_B2CNH, kv = chunks(q_BLNH), (chunks(k_BLKH), chunks(v_BLKH))
+    q_B2CNH = chunks(q_BLNH)
+    kv = (chunks(k_BLKH), chunks(v_BLKH)) + (() if seg_BL is None else (chunks(seg_BL),))
+    seg_q_B2C = None if seg_BL is None else kv[2]
     r = jax.lax.axis_index(CONTEXT)
     if strategy == "allgather":
-        k_BR2CKH, v_BR2CKH = (jax.lax.all_gather(x, CONTEXT, axis=1) for x in kv)
-        owned = lambda s: (jax.lax.dynamic_index_in_dim(k_BR2CKH, s, 1, keepdims=False),
-                           jax.lax.dynamic_index_in_dim(v_BR2CKH, s, 1, keepdims=False))
+        gathered = [jax.lax.all_gather(x, CONTEXT, axis=1) for x in kv]
+        owned = lambda s: tuple(jax.lax.dynamic_index_in_dim(x, s, 1, keepdims=False) for x in gathered)
     for t in range(cp):  # step t holds the keys of rank s = r - t (mod cp); step 0 is the diagonal
         s = (r - t) % cp
         if strategy == "allgather":
-            k_B2CKH, v_B2CKH = owned(s)
+            block = owned(s)
         else:
-            k_B2CKH, v_B2CKH = kv
+            block = kv
             if t + 1 < cp:  # start the next block's transfer before computing on this one
                 kv = jax.lax.ppermute(kv, CONTEXT, [(j, (j + 1) % cp) for j in range(cp)])
+        k_B2CKH, v_B2CKH, *seg_k = block
+        seg_k_B2C = seg_k[0] if seg_k else None
         if t == 0:
-            acc = _diagonal_step(q_B2CNH, k_B2CKH, v_B2CKH, impl)
+            acc = _diagonal_step(q_B2CNH, k_B2CKH, v_B2CKH, impl, seg_q_B2C, seg_k_B2C)
         else:
-            acc = _off_diagonal_step(acc, q_B2CNH, k_B2CKH, v_B2CKH, s, r, impl)
+            acc = _off_diagonal_step(acc, q_B2CNH, k_B2CKH, v_B2CKH, s, r, impl, seg_q_B2C, seg_k_B2C)
     return acc[0].reshape(B, L, N, H).astype(q_BLNH.dtype)
 
 
@@ -198,9 +223,11 @@ def _manual_spec(mesh, q_BSNH, k_BSKH) -> P:
 
 
 def context_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, mesh: Mesh, strategy: str,
-                      impl: str, window: int | None = None, local: bool | jax.Array = True) -> jax.Array:
-    """Causal attention on a load-balanced sequence sharded over `context` (and batch/heads as `_manual_spec`);
-    sliding windows are refused (`validation` says so before anything is traced).
+                      impl: str, window: int | None = None, local: bool | jax.Array = True,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal attention on a load-balanced sequence sharded over `context` (and batch/heads as `_manual_spec`),
+    within each token's segment where `segment_ids` ([B, S], in the same order) say; sliding windows are refused
+    (`validation` says so before anything is traced).
 
     The shard_map is manual over every mesh axis not manual already: cuDNN attention's custom partitioning fails
     inside a partially manual one (jax 0.11). Inside an outer `shard_map` (the pipeline's, over `stage`) the
@@ -215,6 +242,7 @@ def context_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *
         raise ValueError(f"sequence length {q_BSNH.shape[1]} must be a multiple of 2 x context degree = {2 * cp}")
     spec = _manual_spec(mesh, q_BSNH, k_BSKH)
     body = functools.partial(_local_attention, strategy=strategy, impl=impl, cp=cp)
-    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+    segs, seg_specs = ((), ()) if segment_ids is None else ((segment_ids,), (P(spec[0], CONTEXT),))
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec) + seg_specs, out_specs=spec,
                          axis_names=set(mesh.axis_names) - set(mesh.manual_axes),
-                         check_vma=False)(q_BSNH, k_BSKH, v_BSKH)
+                         check_vma=False)(q_BSNH, k_BSKH, v_BSKH, *segs)

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 from mlm_jax.model import axes as ax
 from mlm_jax.model.attention import local_attention
 from mlm_jax.model.kernels import Kernels
+from mlm_jax.model.transformer import default_positions, segment_positions
 from mlm_jax.parallel.context import context_attention, load_balance_order
 from mlm_jax.parallel.expert import expert_parallel_ffn
 
@@ -53,25 +54,29 @@ def layout_kernels(kernels: Kernels, mesh: Mesh, degrees: dict[str, int], *, res
 
 
 def repeated_kv_heads(q_BSNH, k_BSKH, v_BSKH, *, impl: str, repeat: int, attention: Callable,
-                      window: int | None = None, local: bool | jax.Array = True) -> jax.Array:
+                      window: int | None = None, local: bool | jax.Array = True,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
     """Fewer K/V heads than tensor ranks (`tensor` a multiple of K): each head repeated `repeat` times, so every
     rank holds one copy of the head its query heads read, as Megatron replicates them. Query head n reads
     repeated head n // (N / (K * repeat)) = original head n // (N / K): the same function. The K/V weights stay
     whole on every tensor rank (their `kv_heads` dim does not divide), and only these activations repeat."""
     k_BSTH, v_BSTH = (ax.constrain(jnp.repeat(x, repeat, axis=2), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
                       for x in (k_BSKH, v_BSKH))
-    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl, window=window, local=local)
+    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl, window=window, local=local, segment_ids=segment_ids)
 
 
 def load_balance(batch: dict, perm) -> dict:
-    """The batch with its sequence in load-balanced order, plus the positions of its tokens."""
-    out = {k: ax.constrain(v[:, perm], (ax.ACT_BATCH, ax.ACT_SEQ)) for k, v in batch.items()}
-    out["positions"] = ax.constrain(jnp.broadcast_to(perm, batch["inputs"].shape), (ax.ACT_BATCH, ax.ACT_SEQ))
-    return out
+    """The batch with its sequence in load-balanced order, with the positions of its tokens (their places in the
+    row, or the positions the batch gives: within each token's document) and any segment ids travelling along."""
+    if "positions" not in batch:
+        positions_BS = (default_positions(batch["inputs"]) if "segment_ids" not in batch
+                        else segment_positions(batch["segment_ids"]))
+        batch = {**batch, "positions": positions_BS}
+    return {k: ax.constrain(v[:, perm], (ax.ACT_BATCH, ax.ACT_SEQ)) for k, v in batch.items()}
 
 
 def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, window: int | None = None,
-                    local: bool | jax.Array = True) -> jax.Array:
+                    local: bool | jax.Array = True, segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention inside a pipeline stage, in a `shard_map` manual over the axes the stage's is not.
 
     Batch and heads are split as the rules table lays out attention's activations (`resolver`), the sequence never
@@ -81,7 +86,8 @@ def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, wi
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not mesh.manual_axes:
-        return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=impl, window=window, local=local)
+        return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=impl, window=window, local=local,
+                               segment_ids=segment_ids)
     free = [a for a in mesh.axis_names if a not in mesh.manual_axes]
 
     def axes(names, shape, dim):
@@ -95,9 +101,14 @@ def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, wi
     if heads is not None and k_BSKH.shape[2] % math.prod(mesh.shape[a] for a in heads):
         heads = None
     spec = PartitionSpec(batch, None, heads, None)
-    flag = () if isinstance(local, bool) else (local,)
+    extra, extra_specs = {}, {}  # the traced window flag and the segment ids enter as operands
+    if not isinstance(local, bool):
+        extra["local"], extra_specs["local"] = local, PartitionSpec()
+    if segment_ids is not None:
+        extra["segment_ids"], extra_specs["segment_ids"] = segment_ids, PartitionSpec(batch, None)
 
-    def attend(q_BSNH, k_BSKH, v_BSKH, *flag):
-        return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=impl, window=window, local=flag[0] if flag else local)
-    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec) + (PartitionSpec(),) * len(flag),
-                         out_specs=spec, axis_names=set(free), check_vma=False)(q_BSNH, k_BSKH, v_BSKH, *flag)
+    def attend(q_BSNH, k_BSKH, v_BSKH, extra):
+        return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=impl, window=window, local=extra.get("local", local),
+                               segment_ids=extra.get("segment_ids"))
+    return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, extra_specs), out_specs=spec,
+                         axis_names=set(free), check_vma=False)(q_BSNH, k_BSKH, v_BSKH, extra)

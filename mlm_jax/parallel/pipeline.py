@@ -31,7 +31,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.model import axes as ax
 from mlm_jax.model.moe import moe_metrics
-from mlm_jax.model.transformer import default_positions
+from mlm_jax.model.transformer import default_positions, segment_positions
 from mlm_jax.parallel.schedule import Schedule
 from mlm_jax.parallel.recompute import stash_policy
 from mlm_jax.parallel.split_vjp import split_pullback
@@ -73,14 +73,22 @@ def _add_at(acc, i, g):
     return jax.tree.map(lambda a, x: a.at[i].add(x.astype(a.dtype)), acc, g)
 
 
-def _split(params, batch, M: int, layout: ChunkLayout):
-    """(the layer stacks, the other parameters, the batch as M microbatches with its positions)."""
+def _split(params, batch, M: int, layout: ChunkLayout, count):
+    """(the layer stacks, the other parameters, the batch as M microbatches with its positions, loss mask if it has
+    one, and the step's token `count`)."""
     stacks = {k: v for k, v in params.items() if k in layout.stacks}
     rest = {k: v for k, v in params.items() if k not in layout.stacks}
-    positions_BS = batch["positions"] if "positions" in batch else default_positions(batch["inputs"])
+    positions_BS = batch.get("positions")
+    if positions_BS is None:
+        positions_BS = (default_positions(batch["inputs"]) if "segment_ids" not in batch
+                        else segment_positions(batch["segment_ids"]))
     data = {"tokens": _split_microbatches(batch["inputs"], M, ax.ACT_SEQ_SP),  # the embedding's output layout
             "targets": _split_microbatches(batch["targets"], M, ax.ACT_SEQ),  # the logits' layout
-            "positions": _split_microbatches(positions_BS, M, ax.ACT_SEQ)}
+            "positions": _split_microbatches(positions_BS, M, ax.ACT_SEQ), "count": jnp.asarray(count, jnp.float32)}
+    if "loss_mask" in batch:
+        data["weights"] = _split_microbatches(batch["loss_mask"], M, ax.ACT_SEQ)
+    if "segment_ids" in batch:
+        data["segment_ids"] = _split_microbatches(batch["segment_ids"], M, ax.ACT_SEQ)
     return stacks, rest, data
 
 
@@ -94,28 +102,28 @@ def _layout(params, schedule: Schedule, layout: ChunkLayout | None) -> ChunkLayo
     return layout
 
 
-def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule,
+def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, count, *, mesh: Mesh, schedule: Schedule,
                             loss_fn: Callable, compute_dtype=jnp.float32, moe=None,
                             layout: ChunkLayout | None = None) -> tuple[dict, dict]:
     """(metrics, gradient with respect to `params`) of the batch, computed by `schedule` over the chunks of
-    `layout` (even by default): the mean cross-entropy as `metrics["loss"]` and, for an MoE model (`moe`, its
-    config), the MoE losses in the objective and their statistics in the metrics, as the plain step reports them.
-    `loss_fn(model, y_bSD, targets_bS)`: a microbatch's mean cross-entropy from the last chunk's output
-    (`train.loss.head_loss`)."""
+    `layout` (even by default): the cross-entropy over the step's `count` of target tokens (`train.loss`) as
+    `metrics["loss"]` and, for an MoE model (`moe`, its config), the MoE losses in the objective and their statistics
+    in the metrics, as the plain step reports them. `loss_fn(model, y_bSD, targets_bS, weights_BS=, count=)`: a
+    microbatch's share of the cross-entropy from the last chunk's output (`train.loss.head_loss`)."""
     layout = _layout(params, schedule, layout)
-    stacks, rest, data = _split(params, batch, schedule.microbatches, layout)
+    stacks, rest, data = _split(params, batch, schedule.microbatches, layout, count)
     kw = dict(mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout, moe=moe)
     if schedule.kind == "gpipe":
         return _gpipe(graphdef, stacks, rest, data, **kw)
     return _one_f_one_b(graphdef, stacks, rest, data, compute_dtype=compute_dtype, **kw)
 
 
-def pipeline_loss(graphdef: nnx.GraphDef, params, batch, *, mesh: Mesh, schedule: Schedule, loss_fn: Callable,
-                  moe=None, layout: ChunkLayout | None = None) -> jax.Array:
-    """Mean cross-entropy over the batch through the pipeline's forward ticks (evaluation: the weights stay on
-    their stages, and only activations move)."""
+def pipeline_loss(graphdef: nnx.GraphDef, params, batch, count, *, mesh: Mesh, schedule: Schedule,
+                  loss_fn: Callable, moe=None, layout: ChunkLayout | None = None) -> jax.Array:
+    """The batch's cross-entropy over its `count` of target tokens through the pipeline's forward ticks
+    (evaluation: the weights stay on their stages, and only activations move)."""
     layout = _layout(params, schedule, layout)
-    stacks, rest, data = _split(params, batch, schedule.microbatches, layout)
+    stacks, rest, data = _split(params, batch, schedule.microbatches, layout, count)
     loss_of = _forward_loss(graphdef, stacks, rest, mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout,
                             moe=moe)
     return loss_of(stacks, _f32(rest), data)[1]
@@ -128,6 +136,7 @@ class _Stage:
     def __init__(self, graphdef, chunks, data, loss_fn, M, moe, layout: ChunkLayout, p):
         self.graphdef, self.loss_fn, self.M, self.moe, self.layout = graphdef, loss_fn, M, moe, layout
         self.tokens, self.targets, self.positions = data["tokens"], data["targets"], data["positions"]
+        self.weights, self.count, self.segments = data.get("weights"), data["count"], data.get("segment_ids")
         self.placeholder = _at(chunks, 0)  # merge needs some blocks; the chunk's own are passed explicitly
         # (V, width): whether each slot of this stage's chunk v holds a layer, and a sliding-window one
         slots = layout.chunk_slots
@@ -145,7 +154,7 @@ class _Stage:
         x_bSD = ax.constrain(x_bSD, (ax.ACT_BATCH, ax.ACT_SEQ_SP, ax.ACT_EMBED))
         pick = lambda table: None if table is None else table[v]  # noqa: E731
         return run_chunk(self.model(rest), x_bSD, self.positions[m], chunk_pools, self.layout.chunk_slots,
-                         pick(self.active), pick(self.local))
+                         pick(self.active), pick(self.local), None if self.segments is None else self.segments[m])
 
     def moe_term(self, stats) -> jax.Array:
         """The chunk's share of the MoE losses in the objective: means over all MoE layers and microbatches (a slot
@@ -156,8 +165,9 @@ class _Stage:
         return total.astype(jnp.float32) / (len(self.layout.rows("blocks")) * self.M)
 
     def loss(self, rest, y_bSD, m):
-        """This microbatch's share of the mean loss (all microbatches have the same number of tokens)."""
-        return self.loss_fn(self.model(rest), y_bSD, self.targets[m]) / self.M
+        """This microbatch's share of the step's cross-entropy (`train.loss`)."""
+        weights = None if self.weights is None else self.weights[m]
+        return self.loss_fn(self.model(rest), y_bSD, self.targets[m], weights_BS=weights, count=self.count)
 
 
 def _specs(stacks, rest, layout: ChunkLayout):

@@ -393,9 +393,10 @@ class StackPool:
 
 
 def run_chunk(model: Transformer, x_BSD: jax.Array, positions_BS: jax.Array, pools: dict, slots: ChunkSlots,
-              active: jax.Array | None = None, local: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """A pipeline chunk of `model`'s layers: slot i runs row `slots.row(i)` of `pools[slots.stacks[i]]` (that stack's stacked chunk
-    layers) where the traced `active[i]` says, if `slots.optional[i]` (else always), as a sliding-window layer
+              active: jax.Array | None = None, local: jax.Array | None = None,
+              segment_ids_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """A pipeline chunk of `model`'s layers (the tokens' segments, if any, kept apart): slot i runs row
+    `slots.row(i)` of `pools[slots.stacks[i]]` (that stack's stacked chunk layers) where the traced `active[i]` says, if `slots.optional[i]` (else always), as a sliding-window layer
     where `slots.local[i]`, or, where that is None, where the traced `local[i]` says. Returns the output and
     each slot's MoE statistics (zeros where the slot ran no MoE layer; {} for a model without experts).
 
@@ -406,7 +407,7 @@ def run_chunk(model: Transformer, x_BSD: jax.Array, positions_BS: jax.Array, poo
     stats = {}
     if hasattr(model.blocks, "moe"):  # an MoE model: its MoE layers' statistics
         layer0 = jax.tree.map(lambda w: w[0], pools["blocks"])
-        stats = jax.eval_shape(model.block_fn(("blocks", False)), x_BSD, positions_BS, layer0)[1]
+        stats = jax.eval_shape(model.block_fn(("blocks", False)), x_BSD, positions_BS, layer0, segment_ids_BS)[1]
 
     def zeros():
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
@@ -415,7 +416,7 @@ def run_chunk(model: Transformer, x_BSD: jax.Array, positions_BS: jax.Array, poo
         block = model.block_fn((stack, is_local))
 
         def run(x_BSD, layer_state):
-            y_BSD, layer_stats = block(x_BSD, positions_BS, layer_state)
+            y_BSD, layer_stats = block(x_BSD, positions_BS, layer_state, segment_ids_BS)
             return y_BSD, layer_stats or zeros()  # a dense layer of an MoE model: no routing
 
         if on is None:

@@ -81,7 +81,9 @@ class Trainer:
     def _build_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         self.data = build_datasets(cfg.data, t.seq_len, cfg.model.vocab_size, t.seed)
-        self.loader = data_lib.StepLoader(self.data.train, t.seq_len, t.global_batch_size, t.seed)
+        # documents kept apart: each batch carries their segments, positions and loss mask
+        self.eod_id = self.data.eod_id if cfg.data.document_masking else None
+        self.loader = data_lib.StepLoader(self.data.train, t.seq_len, t.global_batch_size, t.seed, self.eod_id)
         shape_of = shd.mesh_shape(self.mesh)
         self.batch_sharding = NamedSharding(
             self.mesh, shd.resolve((ax.ACT_BATCH, None), self.rules, shape_of, (t.global_batch_size, t.seq_len)))
@@ -188,7 +190,7 @@ class Trainer:
 
         eval_plan = dataclasses.replace(step_plan, graphdef=eval_graphdef)
         shardings = state_shardings(self.state)
-        batch_shardings = {"inputs": self.batch_sharding, "targets": self.batch_sharding}
+        batch_shardings = dict.fromkeys(self.loader.keys, self.batch_sharding)
         kept = (self.master_shardings,) if self.keep_gradients else ()
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
                                    out_shardings=(shardings, None, *kept), donate_argnums=0)
@@ -208,13 +210,16 @@ class Trainer:
         """The model with the current weights, callable as `model(tokens_BS) -> logits_BSV`."""
         return nnx.merge(self.spec.graphdef, self.state.params)
 
-    def gradients(self, params=None, step: int | None = None) -> tuple[dict, dict]:
-        """(metrics, gradients) of step `step`'s batch (default: the next step's) at `params` (default: the current
-        weights; host arrays are placed in the master layout), computed exactly as the train step computes them
-        (same layout, microbatches, pipeline and kernels) but without an update; the gradients are in the master
-        weights' layout."""
+    def gradients(self, params=None, step: int | None = None, batch: dict | None = None) -> tuple[dict, dict]:
+        """(metrics, gradients) of step `step`'s batch (default: the next step's), or of `batch` (host arrays by
+        `loader.keys`, any number of rows the layout divides), at `params` (default: the current weights; host
+        arrays are placed in the master layout), computed exactly as the train step computes them (same layout,
+        microbatches, pipeline and kernels) but without an update; the gradients are in the master weights'
+        layout."""
         step = int(self.state.step) if step is None else step
         params = self.state.params if params is None else jax.device_put(params, self.master_shardings)
+        if batch is not None:
+            return self._grads(params, {k: jax.device_put(v, self.batch_sharding) for k, v in batch.items()})
         return self._grads(params, data_lib.global_batch(self.loader, step, self.batch_sharding))
 
     def lowered_step(self, step: int | None = None) -> jax.stages.Lowered:
@@ -230,7 +235,7 @@ class Trainer:
         for inputs, targets in data_lib.eval_batches(self.data.validation, t.seq_len, t.global_batch_size,
                                                      t.eval_batches):
             batch = {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda i, v=v: v[i])
-                     for k, v in (("inputs", inputs), ("targets", targets))}
+                     for k, v in data_lib.with_documents(inputs, targets, self.eod_id).items()}
             losses.append(self._eval_step(self.state.params, batch))
         return float(np.mean(jax.device_get(losses)))
 

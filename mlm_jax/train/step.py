@@ -17,7 +17,7 @@ from mlm_jax.config import MoEConfig
 from mlm_jax.model import axes as ax
 from mlm_jax.model.moe import moe_metrics
 from mlm_jax.ops.fp8 import is_history
-from mlm_jax.train.loss import head_loss
+from mlm_jax.train.loss import head_loss, token_count
 from mlm_jax.train.state import TrainState
 
 
@@ -60,18 +60,25 @@ class StepPlan:
         return stacks
 
 
-def objective(plan: StepPlan, params, batch) -> tuple[jax.Array, dict]:
-    """(objective, metrics): the objective adds the MoE losses to the cross-entropy, which `metrics["loss"]`
-    reports alone. MoE losses are means over the MoE layers. `plan.loss_chunks`: the head and cross-entropy over
-    that many slices of the sequence (`train.loss.head_loss`)."""
+def objective(plan: StepPlan, params, batch, count, share: float = 1.0) -> tuple[jax.Array, dict]:
+    """(objective, metrics) of a (micro)batch: its share of the step's cross-entropy, the sum over its target tokens
+    that count (`batch["loss_mask"]`, all without) over the step's `count` of them (`train.loss`), which
+    `metrics["loss"]` reports alone, plus `share` (its fraction of the step's microbatches) of the MoE losses, means
+    over the MoE layers. `plan.loss_chunks`: the head and cross-entropy over that many slices of the sequence
+    (`train.loss.head_loss`)."""
     model = nnx.merge(plan.graphdef, params)
-    x_BSD, stats = model.hidden(batch["inputs"], batch.get("positions"))
-    loss = head_loss(model, x_BSD, batch["targets"], plan.loss_chunks)
+    x_BSD, stats = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    loss = head_loss(model, x_BSD, batch["targets"], plan.loss_chunks, batch.get("loss_mask"), count)
     if not stats:
         return loss, {"loss": loss}
     metrics = moe_metrics(loss, stats)
-    return loss + plan.moe.aux_loss_coef * metrics["moe_aux_loss"] + plan.moe.z_loss_coef * metrics["moe_z_loss"], \
-        metrics
+    moe = plan.moe.aux_loss_coef * metrics["moe_aux_loss"] + plan.moe.z_loss_coef * metrics["moe_z_loss"]
+    return loss + (moe if share == 1.0 else share * moe), metrics
+
+
+def _combined(metrics_A: dict) -> dict:
+    """A step's metrics from its microbatches': the cross-entropy shares add up, the rest are means."""
+    return {k: jnp.sum(m, axis=0) if k == "loss" else jnp.mean(m, axis=0) for k, m in metrics_A.items()}
 
 
 def load_imbalance(load_LE: jax.Array) -> jax.Array:
@@ -89,11 +96,11 @@ def update_router_bias(params, load_LE: jax.Array, rate: float):
 
 
 # -- gradients ------------------------------------------------------------------------------------------------------
-def _value_and_grad(plan: StepPlan, params, batch):
+def _value_and_grad(plan: StepPlan, params, batch, count, share: float = 1.0):
     """((loss, metrics), gradients) of one (micro)batch, by autodiff or through the pipeline."""
     if plan.pipeline is None:
-        return jax.value_and_grad(functools.partial(objective, plan), has_aux=True)(params, batch)
-    metrics, grads = plan.pipeline(params, batch)
+        return jax.value_and_grad(functools.partial(objective, plan), has_aux=True)(params, batch, count, share)
+    metrics, grads = plan.pipeline(params, batch, count)
     return (metrics["loss"], metrics), grads
 
 
@@ -102,27 +109,22 @@ def _to_master(plan: StepPlan, grads):
     return jax.lax.with_sharding_constraint(grads, plan.master_shardings)
 
 
-def _grads_of(plan: StepPlan, params, batch) -> tuple[dict, Any]:
+def _grads_of(plan: StepPlan, params, batch, count, share: float = 1.0) -> tuple[dict, Any]:
     """(metrics, gradients) of one (micro)batch; under ZeRO-1 from the compute copy, back in the master layout."""
     if plan.compute_shardings is None:
-        (_, metrics), grads = _value_and_grad(plan, params, batch)
+        (_, metrics), grads = _value_and_grad(plan, params, batch, count, share)
         return metrics, grads
     compute = jax.lax.with_sharding_constraint(jax.tree_util.tree_map_with_path(
         lambda path, p: p if is_history(path) else p.astype(plan.compute_dtype), params), plan.compute_shardings)
-    (_, metrics), grads = _value_and_grad(plan, compute, batch)
+    (_, metrics), grads = _value_and_grad(plan, compute, batch, count, share)
     return metrics, _to_master(plan, grads)
 
 
 def _add(grad_sum, grads):
-    """The microbatch's gradients added to the fp32 sums; a delayed-scaling history's "gradient" (the history one
-    step on) takes the max over the microbatches instead."""
+    """The microbatch's gradients added to the fp32 sums (each microbatch's objective is its share of the step's);
+    a delayed-scaling history's "gradient" (the history one step on) takes the max over the microbatches instead."""
     return jax.tree_util.tree_map_with_path(
         lambda path, s, g: jnp.maximum(s, g) if is_history(path) else s + g.astype(jnp.float32), grad_sum, grads)
-
-
-def _mean(plan: StepPlan, grad_sum):
-    return jax.tree_util.tree_map_with_path(lambda path, s: s if is_history(path) else s / plan.accum_steps,
-                                            grad_sum)
 
 
 def _microbatches(plan: StepPlan, batch):
@@ -137,20 +139,20 @@ def _microbatch(micro, a):
     return jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
 
 
-def _accumulate(plan: StepPlan, params, batch):
-    """Mean loss and gradient over `plan.accum_steps` microbatches (`_microbatches`)."""
+def _accumulate(plan: StepPlan, params, batch, count):
+    """The step's loss and gradient as the sums of `plan.accum_steps` microbatches' shares (`_microbatches`)."""
     micro = _microbatches(plan, batch)
 
     def body(grad_sum, a):
-        metrics, grads = _grads_of(plan, params, _microbatch(micro, a))
+        metrics, grads = _grads_of(plan, params, _microbatch(micro, a), count, 1 / plan.accum_steps)
         return _to_master(plan, _add(grad_sum, grads)), metrics
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     grad_sum, metrics_A = jax.lax.scan(body, _to_master(plan, zeros), jnp.arange(plan.accum_steps))
-    return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A), _mean(plan, grad_sum)
+    return _combined(metrics_A), grad_sum
 
 
-def _accumulate_per_layer(plan: StepPlan, params, batch, stacks):
+def _accumulate_per_layer(plan: StepPlan, params, batch, count, stacks):
     """`_accumulate` with one sum per layer of `stacks` (see `StepPlan`)."""
     micro = _microbatches(plan, batch)
     counts = {k: jax.tree.leaves(params[k])[0].shape[0] for k in stacks}
@@ -163,7 +165,8 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, stacks):
         return {**tree, **{k: jax.tree.map(lambda *ws: jnp.stack(ws), *tree[k]) for k in stacks}}
 
     layer_shardings = spread(plan.master_shardings, lambda s, _: jax.NamedSharding(s.mesh, P(*s.spec[1:])))
-    value_and_grad = jax.value_and_grad(lambda p, mb: objective(plan, gather(p), mb), has_aux=True)
+    value_and_grad = jax.value_and_grad(lambda p, mb: objective(plan, gather(p), mb, count, 1 / plan.accum_steps),
+                                        has_aux=True)
 
     def body(grad_sum, a):
         mb = _microbatch(micro, a)
@@ -174,7 +177,7 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, stacks):
 
     zeros = spread(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), lambda w, i: w[i])
     grad_sum, metrics_A = jax.lax.scan(body, zeros, jnp.arange(plan.accum_steps))
-    return jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_A), _to_master(plan, _mean(plan, gather(grad_sum)))
+    return _combined(metrics_A), _to_master(plan, gather(grad_sum))
 
 
 def gradients(plan: StepPlan, params, batch) -> tuple[dict, Any]:
@@ -183,13 +186,14 @@ def gradients(plan: StepPlan, params, batch) -> tuple[dict, Any]:
     with plan.layout():
         if plan.prepare is not None:
             batch = plan.prepare(batch)
+        count = token_count(batch["targets"], batch.get("loss_mask"))  # the whole step's, before any split
         stacks = plan.per_layer_stacks(params)
         if plan.accum_steps == 1 or plan.pipeline is not None:
-            metrics, grads = _grads_of(plan, params, batch)
+            metrics, grads = _grads_of(plan, params, batch, count)
         elif stacks:
-            metrics, grads = _accumulate_per_layer(plan, params, batch, stacks)
+            metrics, grads = _accumulate_per_layer(plan, params, batch, count, stacks)
         else:
-            metrics, grads = _accumulate(plan, params, batch)
+            metrics, grads = _accumulate(plan, params, batch, count)
     # Accumulators and the ZeRO-1 path are fp32: back to each master weight's dtype, so that the optimizer
     # state keeps the dtype it was created with (bf16 master weights with accumulation).
     return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -233,6 +237,7 @@ def eval_loss(plan: StepPlan, params, batch) -> jax.Array:
     with plan.layout():
         if plan.prepare is not None:
             batch = plan.prepare(batch)
+        count = token_count(batch["targets"], batch.get("loss_mask"))
         if plan.pipeline_loss is not None:
-            return plan.pipeline_loss(params, batch)
-        return objective(plan, params, batch)[1]["loss"]
+            return plan.pipeline_loss(params, batch, count)
+        return objective(plan, params, batch, count)[1]["loss"]
