@@ -266,7 +266,8 @@ class DataConfig:
     """Training data: `paths` of prepared token directories (`python -m mlm_jax.data.prepare`), blended by
     `weights` (default: by size); without paths, the embedded corpus (the standard library's sources, bytes).
     `tokenizer` (byte or a tokenizer.json path) must be the one the directories were prepared with.
-    `max_bytes` caps the embedded corpus."""
+    `max_bytes` caps the embedded corpus. Fine-tuning data (prepared from chat or prompt/completion records) carries
+    a loss mask and is packed."""
 
     paths: list | None = None
     weights: list | None = None
@@ -276,6 +277,10 @@ class DataConfig:
     # each document of a window attends only to itself, its positions count from its start, and the target after its
     # end-of-document token is not trained on (`data/documents.py`)
     document_masking: bool = True
+    # whole examples packed into rows (`data/packing.py`), each its own segment; null: where the directories hold
+    # loss masks (fine-tuning data)
+    packing: bool | None = None
+    long_examples: str = choice("refuse", "truncate")  # an example longer than a row of train.seq_len + 1 tokens
 
 
 @dataclass(frozen=True)

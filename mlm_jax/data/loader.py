@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from mlm_jax.data.documents import FIELDS, document_fields
 from mlm_jax.data.tokenfile import BlendedTokens, TokenWindows
 
 
@@ -23,19 +22,19 @@ class StepLoader:
     samples [s·B, (s+1)·B).
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int,
-                 eod_id: int | None = None):
+    def __init__(self, tokens, seq_len: int, global_batch_size: int, seed: int, eod_id: int | None = None):
+        """`tokens`: a token array (windows of it; with `eod_id` its documents kept apart, `data.documents`), a
+        `BlendedTokens`, or rows of packed examples (`packing.PackedRows`)."""
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
         # A blend is already shuffled and holds its weights within every step, so it is read in order.
         self.blend = tokens if isinstance(tokens, BlendedTokens) else None
-        if self.blend is not None and self.blend.seq_len != seq_len:
-            raise ValueError(f"the blend has seq_len={self.blend.seq_len}, the loader {seq_len}")
-        self.windows = self.blend or TokenWindows(tokens, seq_len)
+        if getattr(tokens, "seq_len", seq_len) != seq_len:
+            raise ValueError(f"the windows have seq_len={tokens.seq_len}, the loader {seq_len}")
+        self.windows = tokens if hasattr(tokens, "fields") else TokenWindows(tokens, seq_len, eod_id)
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self.eod_id = eod_id  # documents kept apart (`data.documents`) where given
         self._epoch_perm = (-1, np.empty(0, np.int64))  # replaced whole, so readers on any thread see a pair
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -47,33 +46,30 @@ class StepLoader:
 
     def rows(self, step: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows [start, stop) of the global batch of `step`: (inputs_RS, targets_RS), int32."""
+        return self.windows.pairs(self._window_ids(step, start, stop))
+
+    def fields(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        """`rows` with every field of the batch (`keys`)."""
+        return self.windows.fields(self._window_ids(step, start, stop))
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The arrays of every batch: inputs and targets, and the documents' fields where they are kept apart."""
+        return self.windows.keys
+
+    def _window_ids(self, step: int, start: int, stop: int) -> np.ndarray:
         B = self.global_batch_size
         if step < 0 or not 0 <= start <= stop <= B:
             raise ValueError(f"need step >= 0 and 0 <= start <= stop <= {B}, got {step=}, {start=}, {stop=}")
         samples = step * B + np.arange(start, stop, dtype=np.int64)
         if self.blend is not None:
-            return self.blend.pairs(samples)
+            return samples
         epochs, positions = np.divmod(samples, self.windows.num_windows)
         window_ids = np.empty_like(samples)
         for epoch in np.unique(epochs):
             in_epoch = epochs == epoch
             window_ids[in_epoch] = self._permutation(int(epoch))[positions[in_epoch]]
-        return self.windows.pairs(window_ids)
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """The arrays of every batch: inputs and targets, and the documents' fields where they are kept apart."""
-        return ("inputs", "targets") + (FIELDS if self.eod_id is not None else ())
-
-    def fields(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
-        """`rows` as a dict of `keys`."""
-        return with_documents(*self.rows(step, start, stop), self.eod_id)
-
-
-def with_documents(inputs_RS: np.ndarray, targets_RS: np.ndarray, eod_id: int | None) -> dict[str, np.ndarray]:
-    """A batch's host arrays: inputs and targets, and where `eod_id` is given, its documents' fields."""
-    out = {"inputs": inputs_RS, "targets": targets_RS}
-    return out if eod_id is None else {**out, **document_fields(inputs_RS, eod_id)}
+        return window_ids
 
 
 def local_row_range(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
@@ -166,9 +162,19 @@ class Prefetcher:
 
 
 def eval_batches(
-    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int
+    tokens, seq_len: int, batch_size: int, num_batches: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The first num_batches·batch_size windows in order (wrapping if fewer): every evaluation sees the same data."""
-    windows = tokens if isinstance(tokens, BlendedTokens) else TokenWindows(tokens, seq_len)
+    return _eval_reads(tokens, seq_len, batch_size, num_batches, None, "pairs")
+
+
+def eval_fields(tokens, seq_len: int, batch_size: int, num_batches: int,
+                eod_id: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """`eval_batches` with every field of the batch (`StepLoader.keys`)."""
+    return _eval_reads(tokens, seq_len, batch_size, num_batches, eod_id, "fields")
+
+
+def _eval_reads(tokens, seq_len, batch_size, num_batches, eod_id, how):
+    windows = tokens if hasattr(tokens, "fields") else TokenWindows(tokens, seq_len, eod_id)
     ids = np.arange(num_batches * batch_size, dtype=np.int64) % windows.num_windows
-    return (windows.pairs(ids[b * batch_size : (b + 1) * batch_size]) for b in range(num_batches))
+    return (getattr(windows, how)(ids[b * batch_size : (b + 1) * batch_size]) for b in range(num_batches))

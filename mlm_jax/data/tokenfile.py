@@ -1,7 +1,8 @@
 """Prepared token directories (written by `python -m mlm_jax.data.prepare`), their splits, windows and blends.
 
 A directory holds `tokens.bin` (every document's tokens then its eod, as one flat uint16 or uint32 array),
-`docs.npy` (int64 start offset of each document) and `index.json` (counts, dtype, tokenizer, sources).
+`docs.npy` (int64 start offset of each document), `index.json` (counts, dtype, tokenizer, sources) and, for
+fine-tuning data, `mask.bin` (uint8 per token: 1 on each token a model is trained to produce).
 Tokens are memory-mapped, so opening a directory costs the same whatever its size.
 """
 
@@ -12,10 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
+from mlm_jax.data.documents import FIELDS, document_fields
+from mlm_jax.data.packing import Documents
+
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 TOKENS_FILE = "tokens.bin"
 DOCS_FILE = "docs.npy"
+MASK_FILE = "mask.bin"  # fine-tuning data: uint8, 1 on each token a model is trained to produce
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -45,6 +50,12 @@ class TokenDir:
                 or offsets[-1] >= num_tokens):
             raise ValueError(f"{self.path / self.index['doc_offsets']} does not match {INDEX_FILE}: "
                              "prepare the directory again")
+        self.mask = None
+        if "loss_mask" in self.index:
+            mask_path = self.path / self.index["loss_mask"]
+            if not mask_path.is_file() or mask_path.stat().st_size != num_tokens:
+                raise ValueError(f"{mask_path} does not hold one byte per token: prepare the directory again")
+            self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(num_tokens,))
 
     @property
     def fingerprint(self) -> str:
@@ -95,6 +106,16 @@ def split_by_document(tokdir: TokenDir, validation_fraction: float) -> tuple[np.
     return tokdir.tokens[:cut], tokdir.tokens[cut:]
 
 
+def split_documents(tokdir: TokenDir, validation_fraction: float) -> tuple[Documents, Documents]:
+    """`split_by_document`'s two parts as whole documents, with their loss masks (for packing)."""
+    train, validation = split_by_document(tokdir, validation_fraction)
+    cut, offsets = len(train), np.asarray(tokdir.doc_offsets)
+    mask = tokdir.mask
+    return (Documents(train, offsets[offsets < cut], None if mask is None else mask[:cut], f"{tokdir.path} (train)"),
+            Documents(validation, offsets[offsets >= cut] - cut, None if mask is None else mask[cut:],
+                      f"{tokdir.path} (validation)"))
+
+
 def check_tokenizer(tokdir: TokenDir, expected_fingerprint: str) -> None:
     if tokdir.fingerprint != expected_fingerprint:
         tok = tokdir.index["tokenizer"]
@@ -115,13 +136,16 @@ def check_seq_len(tokens: np.ndarray, seq_len: int, name: str) -> None:
 
 
 class TokenWindows:
-    """Non-overlapping windows of seq_len + 1 tokens over a flat token array (the +1 is the shifted target)."""
+    """Non-overlapping windows of seq_len + 1 tokens over a flat token array (the +1 is the shifted target). With
+    `eod_id`, the documents in a window stay apart (`fields`, `data.documents`)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, eod_id: int | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.eod_id = eod_id
+        self.keys = ("inputs", "targets") + (FIELDS if eod_id is not None else ())
         self.num_windows = max(0, (len(tokens) - 1) // seq_len)
         if self.num_windows < 1:
             raise ValueError(
@@ -134,9 +158,16 @@ class TokenWindows:
         windows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
 
+    def fields(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The batch fields of `keys`."""
+        inputs, targets = self.pairs(window_ids)
+        out = {"inputs": inputs, "targets": targets}
+        return out if self.eod_id is None else {**out, **document_fields(inputs, self.eod_id)}
+
 
 class BlendedTokens:
-    """Windows from several token arrays, source k taking the fraction weights[k] of every prefix of window ids.
+    """Windows from several token arrays (or rows of packed examples, `packing.PackedRows`), source k taking the
+    fraction weights[k] of every prefix of window ids.
 
     Window id g goes to the source a fixed periodic schedule names (see `_schedule`); the j-th window of
     source k is window j of its own seeded permutation, re-drawn each time the source wraps. So windows are
@@ -145,16 +176,18 @@ class BlendedTokens:
 
     _MAX_PERIOD = 1 << 16
 
-    def __init__(self, sources: list[np.ndarray], weights: list[float], seq_len: int, seed: int):
+    def __init__(self, sources: list, weights: list[float], seq_len: int, seed: int, eod_id: int | None = None):
         if len(sources) != len(weights) or not sources:
             raise ValueError(f"need one weight per source, got {len(sources)} sources and {len(weights)} weights")
         if not all(math.isfinite(w) and w > 0 for w in weights):
             raise ValueError(f"weights must be positive and finite, got {list(weights)}")
         for k, tokens in enumerate(sources):
-            check_seq_len(tokens, seq_len, f"blend source {k}")
+            if isinstance(tokens, np.ndarray):
+                check_seq_len(tokens, seq_len, f"blend source {k}")
         self.seq_len = seq_len
         self.seed = seed
-        self._windows = [TokenWindows(tokens, seq_len) for tokens in sources]
+        self._windows = [TokenWindows(s, seq_len, eod_id) if isinstance(s, np.ndarray) else s for s in sources]
+        self.keys = self._windows[0].keys
         self.num_windows = sum(w.num_windows for w in self._windows)  # distinct windows; ids beyond wrap
         self.quotas = _quotas(weights, self._MAX_PERIOD)
         priority = np.random.default_rng([seed]).permutation(len(sources))
@@ -166,16 +199,26 @@ class BlendedTokens:
 
     def pairs(self, window_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets), int32 of shape (len(window_ids), seq_len), as `TokenWindows.pairs`."""
+        out = self._read(window_ids, lambda windows, ids: dict(zip(("inputs", "targets"), windows.pairs(ids))))
+        return out["inputs"], out["targets"]
+
+    def fields(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The batch fields of `keys`, as `TokenWindows.fields`."""
+        return self._read(window_ids, lambda windows, ids: windows.fields(ids))
+
+    def _read(self, window_ids: np.ndarray, read) -> dict[str, np.ndarray]:
         ids = np.asarray(window_ids, dtype=np.int64)
         cycles, phases = np.divmod(ids, len(self._source_of))
         sources = self._source_of[phases]
         local = cycles * np.asarray(self.quotas, dtype=np.int64)[sources] + self._rank[phases]
-        inputs = np.empty((len(ids), self.seq_len), np.int32)
-        targets = np.empty_like(inputs)
+        out = {}
         for k in np.unique(sources):
             sel = sources == k
-            inputs[sel], targets[sel] = self._windows[k].pairs(self._shuffled(int(k), local[sel]))
-        return inputs, targets
+            for key, value in read(self._windows[k], self._shuffled(int(k), local[sel])).items():
+                if key not in out:
+                    out[key] = np.empty((len(ids), self.seq_len), value.dtype)
+                out[key][sel] = value
+        return out
 
     def _shuffled(self, k: int, local: np.ndarray) -> np.ndarray:
         epochs, positions = np.divmod(local, self._windows[k].num_windows)

@@ -81,9 +81,7 @@ class Trainer:
     def _build_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         self.data = build_datasets(cfg.data, t.seq_len, cfg.model.vocab_size, t.seed)
-        # documents kept apart: each batch carries their segments, positions and loss mask
-        self.eod_id = self.data.eod_id if cfg.data.document_masking else None
-        self.loader = data_lib.StepLoader(self.data.train, t.seq_len, t.global_batch_size, t.seed, self.eod_id)
+        self.loader = data_lib.StepLoader(self.data.train, t.seq_len, t.global_batch_size, t.seed)
         shape_of = shd.mesh_shape(self.mesh)
         self.batch_sharding = NamedSharding(
             self.mesh, shd.resolve((ax.ACT_BATCH, None), self.rules, shape_of, (t.global_batch_size, t.seq_len)))
@@ -232,10 +230,9 @@ class Trainer:
         """Mean loss over `train.eval_batches` fixed validation batches."""
         t = self.cfg.train
         losses = []
-        for inputs, targets in data_lib.eval_batches(self.data.validation, t.seq_len, t.global_batch_size,
-                                                     t.eval_batches):
+        for fields in data_lib.eval_fields(self.data.validation, t.seq_len, t.global_batch_size, t.eval_batches):
             batch = {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda i, v=v: v[i])
-                     for k, v in data_lib.with_documents(inputs, targets, self.eod_id).items()}
+                     for k, v in fields.items()}
             losses.append(self._eval_step(self.state.params, batch))
         return float(np.mean(jax.device_get(losses)))
 
