@@ -7,6 +7,7 @@ import sys
 import types
 
 from mlm_jax.checkpoint.weights import ConvertError
+from mlm_jax.data.examples import ChatTemplate, ExampleError
 from mlm_jax.infer.generate import generate, stream
 from mlm_jax.infer.pretrained import load_pretrained, load_tokenizer
 
@@ -31,13 +32,16 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor", type=int, default=1, help="split the model over this many local devices")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's message, rendered with the tokenizer's chat template")
     try:
         args = p.parse_args(argv)
         try:
             info = load_tokenizer(args.path, args.tokenizer)
             if not args.prompt:
                 raise ValueError("--prompt is empty: give the text to continue")
-            prompt = info.tokenizer.encode(args.prompt, add_special_tokens=True).tolist()
+            prompt = (chat_prompt(info, args.prompt) if args.chat
+                      else info.tokenizer.encode(args.prompt, add_special_tokens=True).tolist())
             if info.context and len(prompt) >= info.context:
                 raise ValueError(f"--prompt is {len(prompt)} tokens, and the model's context is {info.context}: "
                                  f"shorten it")
@@ -61,6 +65,19 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def chat_prompt(info, text: str) -> list[int]:
+    """`text` as a user's message with the generation prompt after it, by the tokenizer's chat template (its
+    `tokenizer_config.json`, as in fine-tuning)."""
+    if not hasattr(info.tokenizer, "path"):
+        raise ValueError("--chat needs a tokenizer with a chat template (a tokenizer.json beside its "
+                         "tokenizer_config.json), not the byte tokenizer")
+    try:
+        return ChatTemplate(info.tokenizer.path).render([{"role": "user", "content": text}],
+                                                        add_generation_prompt=True)
+    except ExampleError as e:
+        raise ValueError(f"--chat: {e}") from None
 
 
 class _CallableModule(types.ModuleType):
