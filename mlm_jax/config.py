@@ -305,12 +305,15 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LogConfig:
     """`profile_steps: [a, b]` writes a jax.profiler trace of steps a..b (1-based, inclusive) to `profile_dir`
-    (default `<train.output_dir>/profile`)."""
+    (default `<train.output_dir>/profile`). `tensorboard` writes the logged metrics to
+    `<train.output_dir>/tensorboard`; `wandb_project` also to a Weights & Biases run there (the `wandb` extra)."""
 
     sharding_report: bool = False
     progress: str = choice("auto", "always", "never")
     profile_steps: list | None = None
     profile_dir: str | None = None
+    tensorboard: bool = True
+    wandb_project: str | None = None
 
 
 @dataclass(frozen=True)

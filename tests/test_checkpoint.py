@@ -330,3 +330,27 @@ def test_resume_none_over_existing_checkpoints_is_refused(tmp_path):
     trainer(tmp_path, "train.steps=2").fit()
     with pytest.raises(ConfigError, match=r"checkpoint\.resume=none, but checkpoint\.dir=.* already holds steps \[2\]"):
         trainer(tmp_path, "train.steps=2", "checkpoint.resume=none")
+
+
+def test_another_model_shape_is_refused_in_one_line_naming_the_keys_and_writes_nothing(tmp_path):
+    """Resuming or starting from weights of other shapes is one line naming the model keys that differ, exit 2,
+    before any array is read; a missing `init_from` too."""
+    run = tmp_path / "run"
+    trainer(run, "train.steps=2", devices=1).fit()
+    before = _file_hashes(run)
+    refused = _cli(run, "train.steps=4", "model.hidden_size=96")
+    out, err = refused.communicate(timeout=300)
+    assert refused.returncode == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: checkpoint.resume: {run / 'checkpoints'}/2 holds weights of another model "
+                          f"(model.hidden_size=128 there, 96 here; blocks.attn.k.kernel is (4, 128, 4, 32) there and "
+                          f"(4, 96, 4, 24) here"), err
+    assert "another train.output_dir" in err and "Traceback" not in err
+    assert _file_hashes(run) == before
+    with pytest.raises(ConfigError, match=r"checkpoint\.init_from: .* holds weights of another model "
+                                          r"\(model\.hidden_size=128 there, 96 here; "):
+        trainer(tmp_path / "new", "model.hidden_size=96", f"checkpoint.init_from={run}", devices=1)  # a run dir
+    assert not (tmp_path / "new").exists()
+    missing = _cli(tmp_path / "other", "checkpoint.init_from=/nonexistent/run")
+    out, err = missing.communicate(timeout=300)
+    assert missing.returncode == 2 and err == "error: checkpoint.init_from=/nonexistent/run: no checkpoint found there\n"
+    assert not (tmp_path / "other").exists()

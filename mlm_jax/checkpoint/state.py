@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from mlm_jax.config import ConfigError
 from mlm_jax.ops import fp8
@@ -95,14 +96,16 @@ def checkpoint_steps(directory: str) -> list[int]:
 
 
 def locate(path: str) -> tuple[str, list[int]]:
-    """`path` is a checkpoint directory (`.../checkpoints`) or one step in it (`.../checkpoints/120`)."""
+    """`path` is a checkpoint directory (`.../checkpoints`), one step in it (`.../checkpoints/120`) or a directory
+    holding `checkpoints/` (a run's output or a converted model)."""
     path = os.path.abspath(path)
-    steps = checkpoint_steps(path)
-    if steps:
+    if steps := checkpoint_steps(path):
         return path, steps
     parent, name = os.path.split(path)
     if name.isdigit() and int(name) in checkpoint_steps(parent):
         return parent, [int(name)]
+    if steps := checkpoint_steps(os.path.join(path, "checkpoints")):
+        return os.path.join(path, "checkpoints"), steps
     return path, []
 
 
@@ -166,12 +169,40 @@ def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
     return dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
 
 
+def _leaf_shapes(tree, histories: bool = True) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [str(getattr(k, "key", k)) for k in path]
+        if histories or fp8.HISTORY not in names:
+            out[".".join(names)] = tuple(leaf.shape)
+    return out
+
+
+def mismatch(directory: str, step: int, abstract_params, histories: bool = True) -> str | None:
+    """How the weights stored at `<directory>/<step>` differ in names or shapes from `abstract_params` (fp8
+    histories left out unless `histories`), read from the checkpoint's metadata (no array is read); None where they
+    fit. Raises where the metadata is unreadable."""
+    stored = _leaf_shapes(ocp.StandardCheckpointHandler().metadata(epath.Path(directory) / str(step) / "params"),
+                          histories)
+    wanted = _leaf_shapes(abstract_params, histories)
+    if missing := [k for k in wanted if k not in stored]:
+        return f"{missing[0]} is not there" + (f" ({len(missing) - 1} more)" if len(missing) > 1 else "")
+    if extra := [k for k in stored if k not in wanted]:
+        return f"{extra[0]} is there and not in this model" + (f" ({len(extra) - 1} more)" if len(extra) > 1 else "")
+    if differ := [k for k in wanted if stored[k] != wanted[k]]:
+        k = differ[0]
+        return f"{k} is {stored[k]} there and {wanted[k]} here" + (
+            f" ({len(differ) - 1} more)" if len(differ) > 1 else "")
+    return None
+
+
 def restore(directory: str, steps: list[int], abstract_state: TrainState, check=None,
             move_aside: bool = False) -> tuple[TrainState, dict]:
     """The newest readable checkpoint among `steps`, resharded onto `abstract_state`'s shardings.
 
-    `check(step, meta)` sees a checkpoint's meta before any of its arrays is read, and may raise: nothing has been
-    written or moved then. An unreadable checkpoint is skipped for the previous one; once one is restored, the
+    `check(step, meta, mismatch)` sees a checkpoint's meta and how its weights' shapes differ from
+    `abstract_state`'s (`mismatch`, None where they fit) before any of its arrays is read, and may raise: nothing
+    has been written or moved then. An unreadable checkpoint is skipped for the previous one; once one is restored, the
     newer unreadable ones are reported and, with `move_aside` (the run's own directory), renamed to
     `<step>.unreadable-<time>` (kept, never deleted), so that this run's next save at their step is written.
     """
@@ -181,11 +212,14 @@ def restore(directory: str, steps: list[int], abstract_state: TrainState, check=
         for step in sorted(steps, reverse=True):
             try:
                 meta = read_meta(manager, step)
+                differs = mismatch(directory, step, abstract_state.params)
             except Exception as e:  # noqa: BLE001 - any failure to read means: fall back to the previous one
                 failed.append((step, _first_line(e)))
                 continue
             if check is not None:
-                check(step, meta)
+                check(step, meta, differs)
+            if differs is not None:
+                raise CheckpointError(f"{directory}/{step} holds weights of other shapes: {differs}")
             if not os.path.isdir(os.path.join(directory, str(step), "train")):
                 raise ConfigError(f"checkpoint.resume: {directory}/{step} holds weights only (a converted model, no "
                                   f"optimizer state): start a run from it with checkpoint.init_from={directory}/{step} "
@@ -211,15 +245,16 @@ def restore(directory: str, steps: list[int], abstract_state: TrainState, check=
     return state, meta
 
 
-def restore_params(path: str, abstract_params) -> tuple[Any, dict]:
-    """Weights only (for `checkpoint.init_from`): the newest readable checkpoint at `path`.
+def restore_params(path: str, abstract_params, check=None) -> tuple[Any, dict]:
+    """Weights only (for `checkpoint.init_from`): the newest readable checkpoint at `path`; `check` as in
+    `restore`, the shapes compared without fp8 histories.
 
     An unreadable one is reported and skipped but left where it is: `path` is another run's directory, which
     this run does not write to (and whose own resume moves it aside).
     """
     directory, steps = locate(path)
     if not steps:
-        raise CheckpointError(f"checkpoint.init_from={path}: no checkpoint found there")
+        raise ConfigError(f"checkpoint.init_from={path}: no checkpoint found there")
     # A run with fp8 delayed scaling starting from weights that have no histories (another precision's run, a
     # converted model): the weights are read alone and the histories start empty, as in a fresh run.
     weights = _without_histories(abstract_params)
@@ -228,6 +263,16 @@ def restore_params(path: str, abstract_params) -> tuple[Any, dict]:
     failed: list[tuple[int, str]] = []
     try:
         for step in sorted(steps, reverse=True):
+            try:
+                meta = read_meta(manager, step)
+                differs = mismatch(directory, step, abstract_params, histories=False)
+            except Exception as e:  # noqa: BLE001
+                failed.append((step, _first_line(e)))
+                continue
+            if check is not None:
+                check(step, meta, differs)
+            if differs is not None:
+                raise CheckpointError(f"{directory}/{step} holds weights of other shapes: {differs}")
             errors = []
             for tree in trees:
                 try:

@@ -50,8 +50,6 @@ def open_checkpoint(path: str) -> Checkpoint:
     """The newest checkpoint at `path`: a checkpoints dir, one step in it, or a dir holding `checkpoints/`."""
     directory, steps = ckpt.locate(path)
     if not steps:
-        directory, steps = ckpt.locate(os.path.join(path, "checkpoints"))
-    if not steps:
         raise ConvertError(f"{path}: no checkpoint there (expected a checkpoints dir, one step in it, "
                            f"or a dir holding checkpoints/)")
     step = max(steps)

@@ -65,15 +65,18 @@ class Hooks:
 
 
 class Records:
-    """The records a fit returns, each written to metrics.jsonl (and printed) as it comes."""
+    """The records a fit returns, each written to metrics.jsonl (and printed) as it comes, and to the dashboards
+    (`train.dashboards`: process 0's, the others none)."""
 
-    def __init__(self, log: mt.MetricsLog):
+    def __init__(self, log: mt.MetricsLog, dashboards: list):
         self.items: list[dict] = []
-        self.log = log
+        self.log, self.dashboards = log, dashboards
 
     def add(self, rec: dict) -> None:
         self.items.append(rec)
         self.log.write(rec)
+        for board in self.dashboards:
+            board.write(rec)
 
 
 class Throughput:
@@ -101,15 +104,16 @@ class Throughput:
 
 class LogMetrics(Hook):
     """Fetches the step's metrics every `train.log_every` steps, the only ones that wait for the device, and records
-    them with the throughput since the last fetch."""
+    them with the throughput since the last fetch and the memory of this process's `devices`."""
 
-    def __init__(self, every: int, throughput: Throughput, records: Records):
-        self.every, self.throughput, self.records = every, throughput, records
+    def __init__(self, every: int, throughput: Throughput, records: Records, devices: list):
+        self.every, self.throughput, self.records, self.devices = every, throughput, records, devices
 
     def run(self, info: StepInfo) -> None:
         info.metrics = jax.device_get(info.metrics)
         rates = self.throughput.measure(info.done)
-        self.records.add({"step": info.done, **{k: mt.plain(v) for k, v in info.metrics.items()}, **rates})
+        self.records.add({"step": info.done, **{k: mt.plain(v) for k, v in info.metrics.items()}, **rates,
+                          **mt.device_memory(self.devices)})
         self.throughput.restart(after=info.done)
 
 

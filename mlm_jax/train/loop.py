@@ -28,12 +28,13 @@ from mlm_jax.parallel.schedule import SCHEDULES, Schedule
 from mlm_jax.parallel.stages import ChunkLayout, chunk_sizes
 from mlm_jax.setup import setup
 from mlm_jax.train import hooks as hk
+from mlm_jax.train.dashboards import dashboards
 from mlm_jax.train import metrics as mt
 from mlm_jax.train.loss import head_loss
 from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import TrainState, abstract_state, init_params, init_state, opt_state_shardings, state_shardings
 from mlm_jax.train.step import StepPlan, eval_loss, gradients, train_step
-from mlm_jax.validation.config import check_resume
+from mlm_jax.validation.config import check_resume, check_weights
 
 
 class TrainingStopped(RuntimeError):
@@ -102,24 +103,31 @@ class Trainer:
         abstract = abstract_state(self.tx, self.spec.shapes, self.master_shardings, opt_shardings, mesh)
         c = cfg.checkpoint
         self.resumed_from = None
-        # _resume before the Checkpointer (which creates the directory): a refused resume writes nothing, and the
-        # manager lists the steps only after unreadable checkpoints are moved aside
+        # _resume and init_from before the Checkpointer (which creates the directory): a refused start writes
+        # nothing, and the manager lists the steps only after unreadable checkpoints are moved aside
         resumed = self._resume(abstract)
+        self.state: TrainState = resumed if resumed is not None else self._initial_state(abstract, opt_shardings)
         self.checkpointer = ckpt.Checkpointer(c.dir, c.every, c.keep) if c.save else None
-        if resumed is not None:
-            self.state: TrainState = resumed
-            return
+
+    def _initial_state(self, abstract: TrainState, opt_shardings) -> TrainState:
+        """A new run's state: `checkpoint.init_from`'s weights (refused in one line where their shapes differ) or
+        fresh ones, and a fresh optimizer."""
+        cfg, c = self.cfg, self.cfg.checkpoint
         if c.init_from:
-            params, _ = ckpt.restore_params(c.init_from, abstract.params)
+            def check_init(step: int, meta: dict, mismatch: str | None) -> None:
+                check_weights(cfg, meta.get("config") or {}, "checkpoint.init_from", f"{c.init_from} (step {step})",
+                              mismatch)
+            params, _ = ckpt.restore_params(c.init_from, abstract.params, check=check_init)
         else:
             params = init_params(cfg.model, cfg.train.seed, self.master_shardings)
-        self.state = init_state(self.tx, params, opt_shardings, mesh)
+        return init_state(self.tx, params, opt_shardings, self.mesh)
 
     def _resume(self, abstract: TrainState) -> TrainState | None:
         """`checkpoint.resume`: auto (the newest complete checkpoint in `checkpoint.dir`), none, or a path.
 
-        Refuses (before anything is read but the meta JSON) to continue with another seed or data blend than the
-        checkpoint's, which would change the data order, unless `checkpoint.allow_data_change`. A new batch size
+        Refuses (before anything is read but the meta JSON and the arrays' metadata) weights of other shapes, and
+        to continue with another seed or data blend than the checkpoint's, which would change the data order, unless
+        `checkpoint.allow_data_change`. A new batch size
         or sequence length is allowed and reported in `resumed_from`.
         """
         c = self.cfg.checkpoint
@@ -139,8 +147,8 @@ class Trainer:
                 raise ConfigError(f"checkpoint.resume={c.resume}: no checkpoint found there")
         noted: list[str] = []
 
-        def check(step: int, meta: dict) -> None:
-            noted[:] = check_resume(self.cfg, meta.get("config") or {}, f"{directory}/{step}")
+        def check(step: int, meta: dict, mismatch: str | None) -> None:
+            noted[:] = check_resume(self.cfg, meta.get("config") or {}, f"{directory}/{step}", mismatch)
 
         move_aside = os.path.abspath(directory) == os.path.abspath(c.dir)  # only this run's own checkpoints
         state, meta = ckpt.restore(directory, steps, abstract, check=check, move_aside=move_aside)
@@ -268,9 +276,9 @@ class Trainer:
         t = self.cfg.train
         start = int(self.state.step)
         end = t.steps if steps is None else start + steps
-        records = hk.Records(self.log)
         if start >= end:
-            return records.items
+            return []
+        records = hk.Records(self.log, dashboards(self.cfg) if self.is_main else [])
         throughput = hk.Throughput(start, t.global_batch_size * t.seq_len, self.flops_per_token,
                                    len(self.mesh.devices.flat), self.peak)
         hooks = hk.Hooks(self._hooks(start, throughput, records))
@@ -293,13 +301,17 @@ class Trainer:
             hooks.close()
             prefetch.close()
             self.log.end_line()
+            for board in records.dashboards:
+                board.close()
             self._wait_for_saves()
         return records.items
 
     def _hooks(self, start: int, throughput: hk.Throughput, records: hk.Records) -> list[hk.Hook]:
         """The fit's side jobs in the order they run after a step (see each for why there)."""
         t, cfg = self.cfg.train, self.cfg
-        hooks = [hk.Profile(cfg.log, t.output_dir, self.is_main), hk.LogMetrics(t.log_every, throughput, records)]
+        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        hooks = [hk.Profile(cfg.log, t.output_dir, self.is_main),
+                 hk.LogMetrics(t.log_every, throughput, records, local)]
         if t.nan_policy == "stop":
             hooks.append(hk.StopOnNonFinite(t.log_every, start, int(self.state.skipped_steps), self._stop_on_nan))
         hooks += [hk.Evaluate(t.eval_every, lambda: {"eval_loss": self.evaluate()}, throughput, records),

@@ -44,6 +44,16 @@ def throughput(tokens: int, seconds: float, flops_token: float, num_devices: int
             "mfu": tflops * 1e12 / peak if peak else None, "step_time_s": seconds}
 
 
+def device_memory(devices) -> dict:
+    """The most memory any of `devices` (this process's) holds now and has held at most so far, in GiB, where the
+    backend reports it (GPUs; not the CPU): a query of the allocator's counters, no wait for the device."""
+    stats = [s for s in (d.memory_stats() for d in devices) if s and "peak_bytes_in_use" in s]
+    if not stats:
+        return {}
+    return {"memory_gib": max(s.get("bytes_in_use", 0) for s in stats) / 2**30,
+            "memory_peak_gib": max(s["peak_bytes_in_use"] for s in stats) / 2**30}
+
+
 class MetricsLog:
     """Appends one JSON object per logged step to `<output_dir>/metrics.jsonl` and prints progress."""
 

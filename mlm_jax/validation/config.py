@@ -203,9 +203,43 @@ def _shown_value(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def check_resume(cfg: Config, saved: dict, where: str) -> list[str]:
-    """Resuming the checkpoint at `where`, whose resolved config was `saved` (`Config.to_dict()` form): refuses a
-    changed data order unless `checkpoint.allow_data_change`; returns the allowed changes as `key old -> new`."""
+def _flat(tree: dict, prefix: str) -> dict[str, typing.Any]:
+    out = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
+
+
+def _model_changes(saved: dict, current: dict) -> str:
+    old, new = _flat(saved.get("model") or {}, "model."), _flat(current["model"], "model.")
+    changed = [f"{k}={_shown_value(old[k])} there, {_shown_value(new[k])} here"
+               for k in new if k in old and old[k] != new[k]]
+    return "; ".join(changed) if changed else "no model key differs"
+
+
+def check_weights(cfg: Config, saved: dict, key: str, where: str, mismatch: str | None) -> None:
+    """Refuses the checkpoint at `where` (named by config `key`), whose resolved config was `saved`, when its
+    weights' shapes do not fit this run's model (`mismatch` says how: `checkpoint.state.mismatch`): one line naming the
+    model keys that differ, before any array is read."""
+    if mismatch is None:
+        return
+    if key == "checkpoint.resume":
+        advice = ("set them back to resume it, or train this model in another train.output_dir (or "
+                  "checkpoint.dir)")
+    else:
+        advice = "set them to the checkpoint's, or start this model without checkpoint.init_from"
+    raise ConfigError(f"{key}: {where} holds weights of another model ({_model_changes(saved, cfg.to_dict())}; "
+                      f"{mismatch}): {advice}")
+
+
+def check_resume(cfg: Config, saved: dict, where: str, mismatch: str | None = None) -> list[str]:
+    """Resuming the checkpoint at `where`, whose resolved config was `saved` (`Config.to_dict()` form): refuses
+    weights of other shapes (`check_weights`) and a changed data order unless `checkpoint.allow_data_change`; returns
+    the allowed changes as `key old -> new`."""
+    check_weights(cfg, saved, "checkpoint.resume", where, mismatch)
     current = cfg.to_dict()
     kinds = {"paths" if (c.get("data") or {}).get("paths") else "embedded" for c in (saved, current)}
     order = _changes(saved, current, dict.fromkeys(k for kind in ("paths", "embedded") if kind in kinds

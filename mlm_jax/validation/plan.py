@@ -11,6 +11,7 @@ the checkpoint directory and its metadata, and the multi-process flags.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -240,7 +241,15 @@ def plan(cfg: Config, devices) -> Plan:
     _check_hosts(cfg, devices)
     kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind)
     _check_eval_tasks(cfg)
+    _check_wandb(cfg)
     return Plan(degrees, M, kernels, attn, experts)
+
+
+def _check_wandb(cfg: Config) -> None:
+    """The `wandb` package installed when the run logs to Weights & Biases."""
+    if cfg.log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"log.wandb_project={cfg.log.wandb_project}: the wandb package is not installed "
+                          f"(pip install 'mlm_jax[wandb]')")
 
 
 def _check_eval_tasks(cfg: Config) -> None:
