@@ -59,6 +59,10 @@ class MoEConfig:
     each forward pass (GShard's groups; 1 = per sequence, as MaxText): each expert takes at most
     ceil(group tokens x top_k / experts x factor) of a group's assignments, whatever the layout.
     `shared_experts`: experts every token passes through (one SwiGLU of shared_experts x expert_ffn_size).
+    `aux_loss_scope`: the tokens the load-balancing loss's expert loads are counted over: `microbatch` (each forward
+    pass's batch, across the data-parallel ranks, as Megatron-LM; the objective then changes with the number of
+    microbatches) or `global` (the step's whole batch, the global-batch balancing of Qiu et al. 2025: with
+    microbatches, one more forward pass first counts the loads).
     """
 
     num_experts: int = non_negative(0)
@@ -69,6 +73,7 @@ class MoEConfig:
     router: str = choice("softmax", "sigmoid")
     router_bias_update: float = non_negative(0.0)
     aux_loss_coef: float = non_negative(0.01)
+    aux_loss_scope: str = choice("microbatch", "global")
     z_loss_coef: float = non_negative(0.0)
     shared_experts: int = non_negative(0)
     every_n_layers: int = positive(1)

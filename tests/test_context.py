@@ -90,7 +90,7 @@ def test_cp2_with_tensor4_not_dividing_kv_heads_matches():
 def test_cp_ring_through_the_cudnn_path_with_xla_kernel_matches(monkeypatch):
     """Merging blocks whose lse gradient comes from the custom VJP (CPU stand-in for cuDNN)."""
     monkeypatch.setattr(context, "_fused_attention_with_lse_gradient", with_lse_gradient(
-        lambda q, k, v, causal, impl: context._fused_attention(q, k, v, causal, "xla")))
+        lambda q, k, v, causal, impl, mask=None: context._fused_attention(q, k, v, causal, "xla", mask)))
     check_matches_reference(make_mesh(context=4), "ring", impl="cudnn")
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from layouts import assert_matches, fit, reference
+from layouts import assert_matches, fit, leaves, reference
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError, MoEConfig
 from mlm_jax.model.moe import MoE, MoELayerConfig
@@ -108,6 +108,22 @@ def test_expert_parallel_dropless_matches_single_device(layout, single_device, t
     assert_matches(run(layout, 8, tmp_path), single_device)
 
 
+def test_global_balancing_trains_on_microbatches_what_one_batch_does(tmp_path, capsys):
+    """`model.moe.aux_loss_scope=global` counts the step's expert loads: 4 microbatches on one device train what one
+    batch does, every leaf; per microbatch (the default) the router's gradient differs, and the start-up says so."""
+    scope, micro = ["model.moe.aux_loss_scope=global", "parallel.data=1"], ["train.num_microbatches=4"]
+    got = run(scope + micro, 1, tmp_path / "global")
+    one_batch = reference(BASE, scope, tmp_path / "one")
+    assert_matches(got, one_batch)
+    per_micro = reference(BASE, ["parallel.data=1"] + micro, tmp_path / "micro")
+    per_micro.trainer.fit(1)
+    assert "the objective changes with their number" in capsys.readouterr().out
+    router = "['blocks']['moe']['router']['kernel']"
+    want = leaves(one_batch.trainer.gradients(got.params[0], 0)[1])[router]
+    differs = leaves(per_micro.trainer.gradients(got.params[0], 0)[1])[router]
+    assert np.linalg.norm(differs - want) > 1e-3 * np.linalg.norm(want)
+
+
 # Pipelines run 2 microbatches (one per stage): the balancing losses are per microbatch, so the reference
 # accumulates the same two.
 M2 = ["train.num_microbatches=2"]
@@ -198,7 +214,9 @@ def test_deepseek_style_model_with_dense_layers_and_bias_updates_trains(tmp_path
     (["model.moe.top_k=9"], "model.moe.top_k=9 exceeds model.moe.num_experts=8"),
     (["model.moe.router_bias_update=0.1"], "needs model.moe.router=sigmoid"),
     (["model.moe.capacity_factor=0"], "must be positive"),
-], ids=["experts-by-ep", "top-k", "bias-without-sigmoid", "capacity"])
+    (["model.moe.aux_loss_scope=global", "parallel.stage=2", "parallel.data=4"],
+     "model.moe.aux_loss_scope=global with parallel.stage=2: the pipeline counts the expert loads per microbatch"),
+], ids=["experts-by-ep", "top-k", "bias-without-sigmoid", "capacity", "global-balance-in-pipeline"])
 def test_bad_moe_settings_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_degrees(load_config(None, BASE + overrides), 8 if "expert=3" not in overrides[0] else 3)

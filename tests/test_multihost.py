@@ -59,7 +59,7 @@ def test_two_processes_log_the_losses_of_one_and_resume_in_another_layout(tmp_pa
     (run,) = (tmp_path / "runs").iterdir()  # both processes chose process 0's time stamp
     assert "[0] step 5/5" in first.stdout and "[0] mlm_jax: tiny" in first.stdout
     assert not [line for line in first.stdout.splitlines() if line.startswith("[1] ")], first.stdout
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "tensorboard"]
 
     second = launch(2, [*RUN, *evals, "train.steps=8", "parallel.fsdp=8", f"train.output_dir={run}"], tmp_path)
     assert second.returncode == 0, second.stdout + second.stderr
@@ -193,3 +193,35 @@ def test_srun_and_mpirun_launches_are_detected(monkeypatch):
     monkeypatch.delenv("SLURM_NTASKS")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     assert distributed.cluster_env() == "ompi"
+
+
+SLOW_PROCESS_1 = '''
+import sys, time
+if sys.argv[sys.argv.index("--process-id") + 1 if "--process-id" in sys.argv else 0] == "1":
+    import mlm_jax.train.loop as loop
+    step = loop.Trainer._step
+    def slow(self, *args):
+        time.sleep(0.4)  # a slow host: its data or dispatch
+        return step(self, *args)
+    loop.Trainer._step = slow
+'''
+
+
+def test_a_slow_process_is_named(tmp_path):
+    """Process 1 spends 0.4 s more per step: logged steps name it, its host and its time, flagged over 1.2x the
+    median, and the progress line says so."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_PROCESS_1)
+    env = dict(cpu_env(4), PYTHONPATH=f"{tmp_path / 'site'}:{REPO}")
+    run = tmp_path / "run"
+    proc = subprocess.run([LAUNCH, "2", *RUN, "train.steps=6", "train.log_every=3", "parallel.fsdp=8",
+                           "checkpoint.save=false", f"train.output_dir={run}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    assert [r["step"] for r in logged] == [3, 6]
+    for r in logged:
+        assert r["slowest_process"] == 1 and r["slowest_host"] == socket.gethostname() and r["straggler"], r
+        assert r["slowest_process_s"] >= 0.4 and r["slowest_process_s"] > 1.2 * r["process_median_s"], r
+    assert "[0] step 3/6 | loss" in proc.stdout and f"slowest process 1 ({socket.gethostname()})" in proc.stdout

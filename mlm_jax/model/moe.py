@@ -101,10 +101,12 @@ class MoE(nnx.Module):
         if m.routed_scaling_factor != 1:
             weights_BSK = weights_BSK * m.routed_scaling_factor
         load_E = jnp.mean(jnp.sum(jax.nn.one_hot(experts_BSK, E, dtype=jnp.float32), axis=2), axis=(0, 1)) / K
+        probs_E = jnp.mean(probs_BSE, axis=(0, 1))
         stats = {
-            "aux_loss": E * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(probs_BSE, axis=(0, 1))),
+            "aux_loss": balance_loss(load_E, probs_E),
             "z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits_BSE, axis=-1))),
             "load": load_E,  # fraction of assignments per expert (sums to 1)
+            "probs": probs_E,  # mean routing probability per expert
         }
         return experts_BSK, weights_BSK, stats
 
@@ -121,6 +123,12 @@ class MoE(nnx.Module):
         if hasattr(self, "shared"):
             y_BSD = y_BSD + self.shared(x_BSD)
         return ax.constrain(y_BSD, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)), stats
+
+
+def balance_loss(load_E: jax.Array, probs_E: jax.Array) -> jax.Array:
+    """The Switch load-balancing loss `E x sum_e f_e p_e` (per layer over a leading dim, if any): `f_e` the fraction
+    of assignments to expert e (a constant to the gradient), `p_e` its mean routing probability."""
+    return load_E.shape[-1] * jnp.sum(jax.lax.stop_gradient(load_E) * probs_E, axis=-1)
 
 
 def moe_metrics(loss: jax.Array, stats: dict) -> dict:

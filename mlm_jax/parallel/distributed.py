@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import time
 
@@ -78,6 +79,23 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(multihost_utils.process_allgather(np.int32(flag)).any())
+
+
+def each_process(value: float) -> np.ndarray:
+    """`value` of every process, in process order; every process must call it (a small all-gather)."""
+    if jax.process_count() == 1:
+        return np.asarray([value], np.float64)
+    return np.asarray(multihost_utils.process_allgather(np.float32(value))).reshape(-1).astype(np.float64)
+
+
+def host_names() -> list[str]:
+    """Each process's host name, in process order; every process must call it."""
+    name = socket.gethostname().encode()[:64]
+    if jax.process_count() == 1:
+        return [name.decode()]
+    padded = np.frombuffer(name.ljust(64, b"\0"), np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, 64)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows]
 
 
 def leave(code: int) -> None:

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
-from mlm_jax.parallel.distributed import any_process
+from mlm_jax.parallel import distributed
 from mlm_jax.train import metrics as mt
 
 
@@ -24,6 +25,7 @@ class StepInfo:
     end: int  # the fit's last step
     state: Any
     metrics: dict
+    waited: float = 0.0  # seconds in the call that ran the step (its dispatch, or all of it where it runs in place)
     stop: str | None = None
 
 
@@ -85,21 +87,41 @@ class Throughput:
 
     def __init__(self, step: int, tokens_per_step: int, flops_per_token: float, num_devices: int,
                  peak: float | None):
-        self.first, self.start = step, time.perf_counter()
+        self.first, self.start, self.waited = step, time.perf_counter(), 0.0
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.num_devices, self.peak = num_devices, peak
 
     def restart(self, after: int | None = None) -> None:
         """Times from now; `after` (a logged step) also starts a new window of steps."""
-        self.start = time.perf_counter()
+        self.start, self.waited = time.perf_counter(), 0.0
         if after is not None:
             self.first = after
 
     def measure(self, done: int) -> dict:
+        """The window's rates; `host_time_s` is a step's time less what this process `waited` in the calls that
+        run the steps or fetch their metrics (for the devices, and for the other processes through them)."""
         elapsed, steps = time.perf_counter() - self.start, done - self.first
         rates = mt.throughput(self.tokens_per_step * steps, elapsed, self.flops_per_token, self.num_devices,
                               self.peak)
-        return {**rates, "step_time_s": elapsed / steps}
+        return {**rates, "step_time_s": elapsed / steps, "host_time_s": (elapsed - self.waited) / steps}
+
+
+class Stragglers:
+    """Names the process the others wait for in a multi-process run: each logged step, every process's host time
+    per step (its time less its wait for the devices: data, Python, the hooks) is gathered, and the slowest
+    process, its time and host are recorded, `straggler` when it is over `SLOW` x the median. A process whose
+    host is slow waits least; a slow GPU holds all processes alike and shows in a profile instead."""
+
+    SLOW = 1.2
+
+    def __init__(self):
+        self.hosts = distributed.host_names()
+
+    def measure(self, host_time_s: float) -> dict:
+        times = distributed.each_process(host_time_s)
+        slow, median = int(np.argmax(times)), float(np.median(times))
+        return {"slowest_process": slow, "slowest_process_s": float(times[slow]), "process_median_s": median,
+                "slowest_host": self.hosts[slow], "straggler": bool(times[slow] > self.SLOW * median)}
 
 
 class LogMetrics(Hook):
@@ -108,12 +130,16 @@ class LogMetrics(Hook):
 
     def __init__(self, every: int, throughput: Throughput, records: Records, devices: list):
         self.every, self.throughput, self.records, self.devices = every, throughput, records, devices
+        self.stragglers = Stragglers() if jax.process_count() > 1 else None
 
     def run(self, info: StepInfo) -> None:
+        t0 = time.perf_counter()
         info.metrics = jax.device_get(info.metrics)
+        self.throughput.waited += time.perf_counter() - t0
         rates = self.throughput.measure(info.done)
+        processes = self.stragglers.measure(rates["host_time_s"]) if self.stragglers else {}
         self.records.add({"step": info.done, **{k: mt.plain(v) for k, v in info.metrics.items()}, **rates,
-                          **mt.device_memory(self.devices)})
+                          **mt.device_memory(self.devices), **processes})
         self.throughput.restart(after=info.done)
 
 
@@ -158,7 +184,7 @@ class StopOnSignal(Hook):
         self.received = signal.Signals(signum).name
 
     def run(self, info: StepInfo) -> None:
-        if any_process(self.received is not None):  # a signal during the agreement waits for the next, everywhere
+        if distributed.any_process(self.received is not None):  # a signal during the agreement waits for the next, everywhere
             self.received = info.stop = self.received or "a signal on another process"
 
     def close(self) -> None:

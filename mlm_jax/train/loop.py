@@ -31,6 +31,7 @@ from mlm_jax.train import hooks as hk
 from mlm_jax.train.dashboards import dashboards
 from mlm_jax.train import metrics as mt
 from mlm_jax.train.loss import head_loss
+from mlm_jax.train.memory import memory_report
 from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import TrainState, abstract_state, init_params, init_state, opt_state_shardings, state_shardings
 from mlm_jax.train.step import StepPlan, eval_loss, gradients, train_step
@@ -293,6 +294,7 @@ class Trainer:
                     batch = prefetch.get(step)
                 hooks.before(step + 1)
                 info = self._step(batch, step + 1, end)
+                throughput.waited += info.waited
                 hooks.after(info)
                 if info.stop:
                     self._report_stop(info.stop, info.done)
@@ -309,9 +311,8 @@ class Trainer:
     def _hooks(self, start: int, throughput: hk.Throughput, records: hk.Records) -> list[hk.Hook]:
         """The fit's side jobs in the order they run after a step (see each for why there)."""
         t, cfg = self.cfg.train, self.cfg
-        local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         hooks = [hk.Profile(cfg.log, t.output_dir, self.is_main),
-                 hk.LogMetrics(t.log_every, throughput, records, local)]
+                 hk.LogMetrics(t.log_every, throughput, records, self._local_devices())]
         if t.nan_policy == "stop":
             hooks.append(hk.StopOnNonFinite(t.log_every, start, int(self.state.skipped_steps), self._stop_on_nan))
         hooks += [hk.Evaluate(t.eval_every, lambda: {"eval_loss": self.evaluate()}, throughput, records),
@@ -321,21 +322,30 @@ class Trainer:
             hooks.append(hk.SaveCheckpoint(self.checkpointer.due, t.steps, self.save))
         return hooks
 
+    def _local_devices(self) -> list:
+        """This process's devices of the mesh (the only ones whose memory it can ask about)."""
+        return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+
     def _compile(self, batch: dict) -> None:
         """Compiles the train step on the first fit only, then reports what the run is."""
         if self._compiled is not None:
             return
         t0 = time.perf_counter()
-        self._compiled = self._train_step.lower(self.state, batch).compile()
+        compiled = self._train_step.lower(self.state, batch).compile()
         self.compile_time_s = time.perf_counter() - t0
+        self.memory = memory_report(compiled, self.state, self._local_devices())
+        self.memory.check()
+        self._compiled = compiled
         if self.is_main:
             self._startup_report()
 
     def _step(self, batch: dict, done: int, end: int) -> hk.StepInfo:
+        t0 = time.perf_counter()
         self.state, metrics, *kept = self._compiled(self.state, batch)
+        waited = time.perf_counter() - t0
         if kept:
             self.last_gradients = kept[0]
-        return hk.StepInfo(done, end, self.state, metrics)
+        return hk.StepInfo(done, end, self.state, metrics, waited)
 
     def _report_stop(self, received: str, done: int) -> None:
         """After a signal's save, once written: the message then names a checkpoint that is complete."""
@@ -365,6 +375,7 @@ class Trainer:
               f"{cfg.train.seq_len} tokens, {self.accum_steps} microbatch(es) | compiled in "
               f"{self.compile_time_s:.1f}s | output {cfg.train.output_dir}")
         print(f"data: {self.data.description}")
+        print(self.memory.describe())
         experts = f" | experts: {self.plan.experts}" if self.plan.experts else ""  # what `plan.kernels` runs
         print(f"kernels: attention: {self.plan.attention}{experts}")
         if self.schedule is not None:
@@ -372,6 +383,12 @@ class Trainer:
             print(f"pipeline: {s.kind}, {s.stages} stages x {s.virtual} virtual, {s.microbatches} microbatches, "
                   f"{s.ticks} ticks, bubble {100 * s.bubble():.1f}% | layers per chunk: "
                   f"{', '.join(map(str, self.chunks.sizes))}")
+        moe, microbatches = cfg.model.moe, self.schedule.microbatches if self.schedule else self.accum_steps
+        if moe.enabled and moe.aux_loss_coef > 0 and moe.aux_loss_scope == "microbatch" and microbatches > 1:
+            print(f"moe: the load-balancing loss counts the expert loads of each of the {microbatches} microbatches "
+                  f"(model.moe.aux_loss_scope=microbatch): the objective changes with their number; "
+                  f"aux_loss_scope=global counts the step's" + (", for one more forward pass" if not self.schedule
+                                                                else " (not with pipeline stages)"))
         if self.resumed_from:
             print(f"resumed from {self.resumed_from}")
         if cfg.log.sharding_report:

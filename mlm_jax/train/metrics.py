@@ -88,6 +88,10 @@ class MetricsLog:
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         if r.get("skipped_steps"):
             parts.append(f"skipped {r['skipped_steps']}")
+        if r.get("straggler"):
+            parts.append(f"slowest process {r['slowest_process']} ({r['slowest_host']}) "
+                         f"{r['slowest_process_s']:.3g} s/step, {r['slowest_process_s'] / r['process_median_s']:.1f}x "
+                         f"the median")
         done = r["step"] / self.total if self.total else 1.0
         if 0 < done < 1 and not evaluation:
             eta = (time.perf_counter() - self.start) * (1 - done) / done

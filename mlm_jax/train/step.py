@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import MoEConfig
 from mlm_jax.model import axes as ax
-from mlm_jax.model.moe import moe_metrics
+from mlm_jax.model.moe import balance_loss, moe_metrics
 from mlm_jax.ops.fp8 import is_history
 from mlm_jax.train.loss import head_loss, token_count
 from mlm_jax.train.state import TrainState
@@ -52,6 +52,13 @@ class StepPlan:
     pipeline: Callable | None = None
     pipeline_loss: Callable | None = None
 
+    @property
+    def step_loads(self) -> bool:
+        """Whether the load-balancing loss needs the step's expert loads before its microbatches' gradients
+        (`model.moe.aux_loss_scope=global` with accumulation)."""
+        return (self.moe is not None and self.moe.aux_loss_scope == "global" and self.moe.aux_loss_coef > 0
+                and self.accum_steps > 1 and self.pipeline is None)
+
     def per_layer_stacks(self, params) -> tuple[str, ...]:
         """The stacks accumulated one sum per layer in this step (see the class), or () for one sum per leaf."""
         stacks = tuple(k for k in self.per_layer if k in params)
@@ -60,18 +67,21 @@ class StepPlan:
         return stacks
 
 
-def objective(plan: StepPlan, params, batch, count, share: float = 1.0) -> tuple[jax.Array, dict]:
+def objective(plan: StepPlan, params, batch, count, share: float = 1.0, loads_LE=None) -> tuple[jax.Array, dict]:
     """(objective, metrics) of a (micro)batch: its share of the step's cross-entropy, the sum over its target tokens
     that count (`batch["loss_mask"]`, all without) over the step's `count` of them (`train.loss`), which
     `metrics["loss"]` reports alone, plus `share` (its fraction of the step's microbatches) of the MoE losses, means
-    over the MoE layers. `plan.loss_chunks`: the head and cross-entropy over that many slices of the sequence
-    (`train.loss.head_loss`)."""
+    over the MoE layers; the load-balancing loss counts the step's expert loads `loads_LE` where given
+    (`step_loads`), else the microbatch's. `plan.loss_chunks`: the head and cross-entropy over that many slices of
+    the sequence (`train.loss.head_loss`)."""
     model = nnx.merge(plan.graphdef, params)
     x_BSD, stats = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
     loss = head_loss(model, x_BSD, batch["targets"], plan.loss_chunks, batch.get("loss_mask"), count)
     if not stats:
         return loss, {"loss": loss}
     metrics = moe_metrics(loss, stats)
+    if loads_LE is not None:
+        metrics["moe_aux_loss"] = jnp.mean(balance_loss(loads_LE, stats["probs"]))
     moe = plan.moe.aux_loss_coef * metrics["moe_aux_loss"] + plan.moe.z_loss_coef * metrics["moe_z_loss"]
     return loss + (moe if share == 1.0 else share * moe), metrics
 
@@ -96,10 +106,11 @@ def update_router_bias(params, load_LE: jax.Array, rate: float):
 
 
 # -- gradients ------------------------------------------------------------------------------------------------------
-def _value_and_grad(plan: StepPlan, params, batch, count, share: float = 1.0):
+def _value_and_grad(plan: StepPlan, params, batch, count, share: float = 1.0, loads_LE=None):
     """((loss, metrics), gradients) of one (micro)batch, by autodiff or through the pipeline."""
     if plan.pipeline is None:
-        return jax.value_and_grad(functools.partial(objective, plan), has_aux=True)(params, batch, count, share)
+        return jax.value_and_grad(functools.partial(objective, plan), has_aux=True)(params, batch, count, share,
+                                                                                    loads_LE)
     metrics, grads = plan.pipeline(params, batch, count)
     return (metrics["loss"], metrics), grads
 
@@ -109,15 +120,19 @@ def _to_master(plan: StepPlan, grads):
     return jax.lax.with_sharding_constraint(grads, plan.master_shardings)
 
 
-def _grads_of(plan: StepPlan, params, batch, count, share: float = 1.0) -> tuple[dict, Any]:
-    """(metrics, gradients) of one (micro)batch; under ZeRO-1 from the compute copy, back in the master layout."""
+def _compute_copy(plan: StepPlan, params):
+    """The weights a forward pass reads: under ZeRO-1, cast to the compute dtype and gathered into the compute
+    layout; otherwise the master weights themselves."""
     if plan.compute_shardings is None:
-        (_, metrics), grads = _value_and_grad(plan, params, batch, count, share)
-        return metrics, grads
-    compute = jax.lax.with_sharding_constraint(jax.tree_util.tree_map_with_path(
+        return params
+    return jax.lax.with_sharding_constraint(jax.tree_util.tree_map_with_path(
         lambda path, p: p if is_history(path) else p.astype(plan.compute_dtype), params), plan.compute_shardings)
-    (_, metrics), grads = _value_and_grad(plan, compute, batch, count, share)
-    return metrics, _to_master(plan, grads)
+
+
+def _grads_of(plan: StepPlan, params, batch, count, share: float = 1.0, loads_LE=None) -> tuple[dict, Any]:
+    """(metrics, gradients) of one (micro)batch; under ZeRO-1 from the compute copy, back in the master layout."""
+    (_, metrics), grads = _value_and_grad(plan, _compute_copy(plan, params), batch, count, share, loads_LE)
+    return metrics, grads if plan.compute_shardings is None else _to_master(plan, grads)
 
 
 def _add(grad_sum, grads):
@@ -139,12 +154,29 @@ def _microbatch(micro, a):
     return jax.tree.map(lambda x: ax.constrain(x[:, a], (ax.ACT_BATCH, None)), micro)
 
 
+def _step_loads(plan: StepPlan, params, micro) -> jax.Array | None:
+    """Each MoE layer's expert loads over the step's whole batch, [layers, experts], where the load-balancing loss
+    counts them (`StepPlan.step_loads`): a forward pass over the microbatches, up to the last layer (no head, no
+    gradient), before any of their gradients."""
+    if not plan.step_loads:
+        return None
+    model = nnx.merge(plan.graphdef, _compute_copy(plan, params))
+
+    def body(_, a):
+        mb = _microbatch(micro, a)
+        return None, model.hidden(mb["inputs"], mb.get("positions"), mb.get("segment_ids"))[1]["load"]
+
+    _, loads_ALE = jax.lax.scan(body, None, jnp.arange(plan.accum_steps))
+    return jax.lax.stop_gradient(jnp.mean(loads_ALE, axis=0))  # microbatches of equal token counts
+
+
 def _accumulate(plan: StepPlan, params, batch, count):
     """The step's loss and gradient as the sums of `plan.accum_steps` microbatches' shares (`_microbatches`)."""
     micro = _microbatches(plan, batch)
+    loads_LE = _step_loads(plan, params, micro)
 
     def body(grad_sum, a):
-        metrics, grads = _grads_of(plan, params, _microbatch(micro, a), count, 1 / plan.accum_steps)
+        metrics, grads = _grads_of(plan, params, _microbatch(micro, a), count, 1 / plan.accum_steps, loads_LE)
         return _to_master(plan, _add(grad_sum, grads)), metrics
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -165,8 +197,9 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, count, stacks):
         return {**tree, **{k: jax.tree.map(lambda *ws: jnp.stack(ws), *tree[k]) for k in stacks}}
 
     layer_shardings = spread(plan.master_shardings, lambda s, _: jax.NamedSharding(s.mesh, P(*s.spec[1:])))
-    value_and_grad = jax.value_and_grad(lambda p, mb: objective(plan, gather(p), mb, count, 1 / plan.accum_steps),
-                                        has_aux=True)
+    loads_LE = _step_loads(plan, params, micro)
+    value_and_grad = jax.value_and_grad(
+        lambda p, mb: objective(plan, gather(p), mb, count, 1 / plan.accum_steps, loads_LE), has_aux=True)
 
     def body(grad_sum, a):
         mb = _microbatch(micro, a)

@@ -98,6 +98,9 @@ def check_layout(cfg: Config, d: dict[str, int]) -> int:
         _check_moe_layout(cfg, d)
     if V > 1 and P == 1:
         raise ConfigError(f"parallel.virtual_stages={V} needs pipeline stages (parallel.stage > 1)")
+    if P > 1 and m.moe.enabled and m.moe.aux_loss_scope == "global" and m.moe.aux_loss_coef > 0:
+        raise ConfigError(f"model.moe.aux_loss_scope=global with parallel.stage={P}: the pipeline counts the expert "
+                          f"loads per microbatch; use model.moe.aux_loss_scope=microbatch")
     if P > 1 and m.precision == "fp8_delayed":
         raise ConfigError(f"model.precision=fp8_delayed with parallel.stage={P}: the pipeline does not carry the "
                           f"delayed-scaling histories; use model.precision=fp8 (current scaling) or bf16")

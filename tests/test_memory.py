@@ -1,0 +1,42 @@
+"""The memory report: per-device bytes of the weights and optimizer state by their shardings, the compiled step's
+footprint, and the refusal of a step that needs more than a device has, before that step runs."""
+import math
+
+import jax
+import pytest
+
+from mlm_jax import Trainer, load_config
+from mlm_jax.config import ConfigError
+from mlm_jax.train import memory
+
+BASE = ["train.steps=2", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=8",
+        "train.seq_len=32", "log.progress=never", "data.max_bytes=2000000", "log.tensorboard=false"]
+
+
+def trainer(tmp_path, *overrides):
+    return Trainer(load_config(None, BASE + [f"train.output_dir={tmp_path}", *overrides]), devices=jax.devices())
+
+
+def test_the_report_follows_the_shardings_and_the_compiled_step(tmp_path, capsys):
+    replicated, sharded = trainer(tmp_path / "dp", "parallel.data=8"), trainer(tmp_path / "fsdp", "parallel.fsdp=8")
+    whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(replicated.state.params))
+    replicated.fit(1)
+    sharded.fit(1)
+    dp, fsdp = replicated.memory, sharded.memory
+    assert dp.params == whole and dp.optimizer >= 2 * whole  # AdamW's two moments per weight
+    assert fsdp.params < whole / 4 and fsdp.optimizer < dp.optimizer / 4
+    for report in (dp, fsdp):
+        assert report.total >= report.params + report.optimizer + report.temporaries > 0
+        assert report.capacity is None  # the CPU reports none
+    out = capsys.readouterr().out
+    assert f"memory per device: parameters {dp.params / 2**30:.2f} GiB, optimizer state " in out
+
+
+def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "capacity", lambda devices: 2**20)
+    t = trainer(tmp_path, "parallel.data=8")
+    with pytest.raises(ConfigError, match=r"^the run does not fit: memory per device: parameters .* GiB; the step "
+                                          r"[0-9.]+ GiB of 0\.0 GiB: shard the weights .* lower "
+                                          r"train\.micro_batch_size$"):
+        t.fit()
+    assert int(t.state.step) == 0 and not (tmp_path / "metrics.jsonl").exists()
