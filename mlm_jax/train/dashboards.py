@@ -3,7 +3,6 @@ Weights & Biases (`log.wandb_project`). Both take the records the loop has alrea
 wait for the device), are written by process 0 only, and last one `fit` (closed at its end, however it ends)."""
 from __future__ import annotations
 
-import math
 import os
 import uuid
 
@@ -13,21 +12,18 @@ from mlm_jax.config import Config, to_yaml
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """A record's numbers as named scalars: a per-layer list (MoE statistics) as `name/<i>`, one per MoE layer; a
-    null (a non-finite value in metrics.jsonl) as NaN; the step itself left out."""
+    """A record's numbers as named scalars, a per-layer list (MoE statistics) as `name/<i>`, one per MoE layer; the
+    step, text and nulls (a value the backend lacks, such as MFU on a CPU, or a non-finite one, which
+    `skipped_steps` counts) left out."""
     out = {}
     for name, value in record.items():
-        if name == "step" or isinstance(value, str):
+        if name == "step" or isinstance(value, str) or value is None:
             continue
         if isinstance(value, list):
-            out.update({f"{name}/{i}": _number(v) for i, v in enumerate(value) if not isinstance(v, list)})
+            out.update({f"{name}/{i}": float(v) for i, v in enumerate(value) if isinstance(v, (int, float))})
         else:
-            out[name] = _number(value)
+            out[name] = float(value)
     return out
-
-
-def _number(value) -> float:
-    return math.nan if value is None else float(value)
 
 
 class TensorBoard:
