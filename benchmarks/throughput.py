@@ -106,6 +106,7 @@ def run_ours(args) -> dict:
         "mfu": tflops * 1e12 / trainer.peak if trainer.peak else None,
         "compile_time_s": float(trainer.compile_time_s),
         "peak_memory_gib": max(peaks) / 2**30 if peaks else None,
+        "memory_report_gib": trainer.memory.total / 2**30,  # the start-up report's estimate of the step
         "final_loss": float(loss) if loss is not None else None,
         "skipped_steps": int(last.get("skipped_steps", 0) or 0),
     }
@@ -257,7 +258,7 @@ def build_record(args, cfg, overrides, ours, peer, warnings) -> dict:
         **{k: ours[k] for k in ("platform", "n_devices", "jax_version", "global_batch_size", "seq_len",
                                 "accum_steps", "num_params", "flops_per_token", "step_time_s", "step_time_min_s",
                                 "step_time_max_s", "step_time_mean_s", "timed_steps", "timing_window", "compile_time_s",
-                                "peak_memory_gib", "final_loss", "skipped_steps")},
+                                "peak_memory_gib", "memory_report_gib", "final_loss", "skipped_steps")},
         "peer": peer,
         "peer_warnings": warnings,
     }
