@@ -69,11 +69,17 @@ def test_wandb_offline_writes_a_run_that_a_second_fit_continues(tmp_path, monkey
     assert (tmp_path / "wandb_id").read_text().strip() == run_id  # the same W&B run, resumed
 
 
-def test_wandb_project_without_wandb_is_refused(monkeypatch):
+@pytest.mark.parametrize("missing, overrides, message", [
+    ("wandb", ["log.wandb_project=p"],
+     r"^log\.wandb_project=p: the wandb package is not installed \(pip install 'mlm_jax\[wandb\]'\)$"),
+    ("tensorboardX", [], r"^log\.tensorboard=true: the tensorboardX package is not installed \(pip install -e \., "
+                         r"or log\.tensorboard=false\)$"),
+])
+def test_a_dashboard_without_its_package_is_refused(missing, overrides, message, monkeypatch):
     real = plan_lib.importlib.util.find_spec
-    monkeypatch.setattr(plan_lib.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
+    monkeypatch.setattr(plan_lib.importlib.util, "find_spec", lambda name, *a: None if name == missing else
                         real(name, *a))
-    cfg = load_config(None, ["log.wandb_project=p"])
-    with pytest.raises(ConfigError, match=r"^log\.wandb_project=p: the wandb package is not installed "
-                                          r"\(pip install 'mlm_jax\[wandb\]'\)$"):
-        plan_lib.plan(cfg, jax.devices()[:1])
+    with pytest.raises(ConfigError, match=message):
+        plan_lib.plan(load_config(None, overrides), jax.devices()[:1])
+    plan_lib.plan(load_config(None, overrides + ["log.tensorboard=false", "log.wandb_project=null"]),
+                  jax.devices()[:1])

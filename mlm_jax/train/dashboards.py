@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import uuid
 
-from tensorboardX import SummaryWriter
-
 from mlm_jax.config import Config, to_yaml
 
 
@@ -31,6 +29,8 @@ class TensorBoard:
     config as text."""
 
     def __init__(self, cfg: Config):
+        from tensorboardX import SummaryWriter  # checked with the config; `log.tensorboard=false` runs without it
+
         self.directory = os.path.join(cfg.train.output_dir, "tensorboard")
         self.writer = SummaryWriter(self.directory)
         self.writer.add_text("config", "\n".join("    " + line for line in to_yaml(cfg).splitlines()))

@@ -244,12 +244,16 @@ def plan(cfg: Config, devices) -> Plan:
     _check_hosts(cfg, devices)
     kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind)
     _check_eval_tasks(cfg)
-    _check_wandb(cfg)
+    _check_dashboards(cfg)
     return Plan(degrees, M, kernels, attn, experts)
 
 
-def _check_wandb(cfg: Config) -> None:
-    """The `wandb` package installed when the run logs to Weights & Biases."""
+def _check_dashboards(cfg: Config) -> None:
+    """The packages of the run's dashboards installed: tensorboardX (a dependency, but a bare checkout may lack it)
+    and, when the run logs to Weights & Biases, wandb."""
+    if cfg.log.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError("log.tensorboard=true: the tensorboardX package is not installed (pip install -e ., or "
+                          "log.tensorboard=false)")
     if cfg.log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"log.wandb_project={cfg.log.wandb_project}: the wandb package is not installed "
                           f"(pip install 'mlm_jax[wandb]')")
