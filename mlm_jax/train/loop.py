@@ -13,9 +13,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from mlm_jax.data import loader as data_lib
 from mlm_jax.checkpoint import state as ckpt
 from mlm_jax.config import Config, ConfigError, to_yaml
+from mlm_jax.data import loader as data_lib
 from mlm_jax.data.dataset import build_datasets
 from mlm_jax.eval.tasks import evaluate_training
 from mlm_jax.infer.generate import generate
@@ -28,8 +28,8 @@ from mlm_jax.parallel.schedule import SCHEDULES, Schedule
 from mlm_jax.parallel.stages import ChunkLayout, chunk_sizes
 from mlm_jax.setup import setup
 from mlm_jax.train import hooks as hk
-from mlm_jax.train.dashboards import dashboards
 from mlm_jax.train import metrics as mt
+from mlm_jax.train.dashboards import dashboards
 from mlm_jax.train.loss import head_loss
 from mlm_jax.train.memory import memory_report
 from mlm_jax.train.optimizer import make_optimizer, schedule
@@ -128,8 +128,8 @@ class Trainer:
 
         Refuses (before anything is read but the meta JSON and the arrays' metadata) weights of other shapes, and
         to continue with another seed or data blend than the checkpoint's, which would change the data order, unless
-        `checkpoint.allow_data_change`. A new batch size
-        or sequence length is allowed and reported in `resumed_from`.
+        `checkpoint.allow_data_change`. A new batch size or sequence length is allowed and reported in
+        `resumed_from`.
         """
         c = self.cfg.checkpoint
         if c.resume == "none":
