@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from mlm_jax import Trainer, load_config
-from mlm_jax.config import ConfigError
 from mlm_jax.checkpoint.state import CheckpointError, checkpoint_steps
+from mlm_jax.checkpoint.weights import save_weights
+from mlm_jax.config import ConfigError
 from mlm_jax.train.loop import TrainingStopped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,11 +311,6 @@ def test_uncreatable_checkpoint_dir_is_a_one_line_error(tmp_path):
 
 def test_resuming_a_weights_only_checkpoint_is_refused_and_moves_nothing(tmp_path):
     """A converted model (params and meta only) in the run's own checkpoint directory is not a damaged checkpoint."""
-    import jax.numpy as jnp
-
-    from mlm_jax.config import ConfigError
-    from mlm_jax.checkpoint.weights import save_weights
-
     t = trainer(tmp_path, "train.steps=2")
     save_weights(str(tmp_path / "checkpoints"), jax.tree.map(jnp.asarray, jax.device_get(t.state.params)),
                  {"step": 0, "config": t.cfg.to_dict()})
@@ -325,8 +321,6 @@ def test_resuming_a_weights_only_checkpoint_is_refused_and_moves_nothing(tmp_pat
 
 def test_resume_none_over_existing_checkpoints_is_refused(tmp_path):
     """Their steps would not be saved again (a save at an existing step is skipped): the new run's end would be lost."""
-    from mlm_jax.config import ConfigError
-
     trainer(tmp_path, "train.steps=2").fit()
     with pytest.raises(ConfigError, match=r"checkpoint\.resume=none, but checkpoint\.dir=.* already holds steps \[2\]"):
         trainer(tmp_path, "train.steps=2", "checkpoint.resume=none")

@@ -2,11 +2,12 @@
 import dataclasses
 import pathlib
 
+import jax
 import pytest
 
 from mlm_jax import load_config
 from mlm_jax.config import Config, ConfigError, to_yaml
-from mlm_jax.validation.plan import check_degrees
+from mlm_jax.validation.plan import check_degrees, plan
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -228,9 +229,6 @@ def test_bad_nested_keys_are_one_line_errors(override, message):
 
 # -- what runs -----------------------------------------------------------------------------------------------------
 def test_plan_names_the_kernels_chosen_and_why_auto_fell_back():
-    import jax
-
-    from mlm_jax.validation.plan import plan
     dense = plan(load_config(overrides=["parallel.tensor=2"]), jax.devices())
     assert dense.degrees["tensor"] == 2 and dense.accum_steps == 1 and dense.experts is None
     assert dense.attention == "xla (cudnn: cuDNN attention needs an NVIDIA GPU, and this run has cpu devices)"

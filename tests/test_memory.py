@@ -34,9 +34,10 @@ def test_the_report_follows_the_shardings_and_the_compiled_step(tmp_path, capsys
 
 def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "capacity", lambda devices: 2**20)
-    t = trainer(tmp_path, "parallel.data=8")
+    t = trainer(tmp_path, "parallel.data=8", "log.tensorboard=true")
     with pytest.raises(ConfigError, match=r"^the run does not fit: memory per device: parameters .* GiB; the step "
                                           r"[0-9.]+ GiB of 0\.0 GiB: shard the weights .* lower "
                                           r"train\.micro_batch_size$"):
         t.fit()
     assert int(t.state.step) == 0 and not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "tensorboard").exists()

@@ -196,6 +196,26 @@ def mismatch(directory: str, step: int, abstract_params, histories: bool = True)
     return None
 
 
+class _Unreadable(Exception):
+    """A checkpoint's meta or array metadata could not be read; the message is the first line of why."""
+
+
+def _checked_meta(manager: ocp.CheckpointManager, directory: str, step: int, abstract_params, check,
+                  histories: bool = True) -> dict:
+    """The meta of `<directory>/<step>` once `check(step, meta, mismatch)` has seen it and its weights' shapes fit
+    `abstract_params` (`mismatch`); no array is read. Raises `_Unreadable` where the meta or metadata is."""
+    try:
+        meta = read_meta(manager, step)
+        differs = mismatch(directory, step, abstract_params, histories)
+    except Exception as e:  # noqa: BLE001 - any failure to read means: unreadable
+        raise _Unreadable(_first_line(e)) from None
+    if check is not None:
+        check(step, meta, differs)
+    if differs is not None:
+        raise CheckpointError(f"{directory}/{step} holds weights of other shapes: {differs}")
+    return meta
+
+
 def restore(directory: str, steps: list[int], abstract_state: TrainState, check=None,
             move_aside: bool = False) -> tuple[TrainState, dict]:
     """The newest readable checkpoint among `steps`, resharded onto `abstract_state`'s shardings.
@@ -211,15 +231,10 @@ def restore(directory: str, steps: list[int], abstract_state: TrainState, check=
     try:
         for step in sorted(steps, reverse=True):
             try:
-                meta = read_meta(manager, step)
-                differs = mismatch(directory, step, abstract_state.params)
-            except Exception as e:  # noqa: BLE001 - any failure to read means: fall back to the previous one
-                failed.append((step, _first_line(e)))
+                meta = _checked_meta(manager, directory, step, abstract_state.params, check)
+            except _Unreadable as e:  # fall back to the previous one
+                failed.append((step, str(e)))
                 continue
-            if check is not None:
-                check(step, meta, differs)
-            if differs is not None:
-                raise CheckpointError(f"{directory}/{step} holds weights of other shapes: {differs}")
             if not os.path.isdir(os.path.join(directory, str(step), "train")):
                 raise ConfigError(f"checkpoint.resume: {directory}/{step} holds weights only (a converted model, no "
                                   f"optimizer state): start a run from it with checkpoint.init_from={directory}/{step} "
@@ -264,20 +279,14 @@ def restore_params(path: str, abstract_params, check=None) -> tuple[Any, dict]:
     try:
         for step in sorted(steps, reverse=True):
             try:
-                meta = read_meta(manager, step)
-                differs = mismatch(directory, step, abstract_params, histories=False)
-            except Exception as e:  # noqa: BLE001
-                failed.append((step, _first_line(e)))
+                meta = _checked_meta(manager, directory, step, abstract_params, check, histories=False)
+            except _Unreadable as e:
+                failed.append((step, str(e)))
                 continue
-            if check is not None:
-                check(step, meta, differs)
-            if differs is not None:
-                raise CheckpointError(f"{directory}/{step} holds weights of other shapes: {differs}")
             errors = []
             for tree in trees:
                 try:
-                    out = manager.restore(step, args=ocp.args.Composite(
-                        params=ocp.args.StandardRestore(tree), meta=ocp.args.JsonRestore()))
+                    out = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(tree)))
                     break
                 except Exception as e:  # noqa: BLE001
                     errors.append(e)
@@ -285,7 +294,7 @@ def restore_params(path: str, abstract_params, check=None) -> tuple[Any, dict]:
                 failed.append((step, _first_line(errors[0])))
                 continue
             _warn_unreadable(directory, failed, step)
-            return _with_empty_histories(out.params, abstract_params), dict(out.meta)
+            return _with_empty_histories(out.params, abstract_params), meta
     finally:
         manager.close()
     raise CheckpointError(f"checkpoint.init_from={path}: no readable checkpoint (step {failed[0][0]}: "

@@ -68,17 +68,24 @@ class Hooks:
 
 class Records:
     """The records a fit returns, each written to metrics.jsonl (and printed) as it comes, and to the dashboards
-    (`train.dashboards`: process 0's, the others none)."""
+    that `open_dashboards()` makes (`train.dashboards`; process 0's, the others none) with the first record, so that
+    a fit refused before its first step writes none."""
 
-    def __init__(self, log: mt.MetricsLog, dashboards: list):
+    def __init__(self, log: mt.MetricsLog, open_dashboards: Callable[[], list]):
         self.items: list[dict] = []
-        self.log, self.dashboards = log, dashboards
+        self.log, self.open_dashboards, self.dashboards = log, open_dashboards, None
 
     def add(self, rec: dict) -> None:
+        if self.dashboards is None:
+            self.dashboards = self.open_dashboards()
         self.items.append(rec)
         self.log.write(rec)
         for board in self.dashboards:
             board.write(rec)
+
+    def close(self) -> None:
+        for board in self.dashboards or []:
+            board.close()
 
 
 class Throughput:

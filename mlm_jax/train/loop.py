@@ -279,7 +279,7 @@ class Trainer:
         end = t.steps if steps is None else start + steps
         if start >= end:
             return []
-        records = hk.Records(self.log, dashboards(self.cfg) if self.is_main else [])
+        records = hk.Records(self.log, lambda: dashboards(self.cfg) if self.is_main else [])
         throughput = hk.Throughput(start, t.global_batch_size * t.seq_len, self.flops_per_token,
                                    len(self.mesh.devices.flat), self.peak)
         hooks = hk.Hooks(self._hooks(start, throughput, records))
@@ -303,8 +303,7 @@ class Trainer:
             hooks.close()
             prefetch.close()
             self.log.end_line()
-            for board in records.dashboards:
-                board.close()
+            records.close()
             self._wait_for_saves()
         return records.items
 
