@@ -4,17 +4,22 @@ its documents run unpacked (1e-5 / 1e-4), on one device and under every layout; 
 tokens that count, whatever the accumulation; a window of the token stream is cut into documents at its
 end-of-document tokens.
 """
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from layouts import leaves
 from mlm_jax import Trainer, load_config
 from mlm_jax.data.documents import document_fields
 from mlm_jax.model.attention import local_attention
 from mlm_jax.model.transformer import Transformer, segment_positions
+from mlm_jax.ops import packed_attention
+from mlm_jax.validation.plan import _check_backend
 
 S, ROWS, VOCAB = 32, 8, 128
 TINY = ["model.dtype=float32", "model.vocab_size=512", "model.hidden_size=64", "model.num_heads=4",
@@ -162,3 +167,28 @@ def test_a_kernel_that_cannot_keep_segments_apart_refuses_them():
     q = jnp.zeros((1, 4, 2, 8))
     with pytest.raises(ValueError, match="keeps no segments apart"):
         local_attention(q, q, q, impl="te", segment_ids=jnp.zeros((1, 4), jnp.int32))
+
+
+def test_the_packed_layout_lists_each_rows_runs_of_equal_ids():
+    ids = np.array([[0, 0, 1, 1, 1, 2, 2, 5], [3, 3, 3, 3, 3, 3, 3, 3], [0, 1, 2, 3, 4, 5, 6, 7]], np.int32)
+    lengths, offsets, count = packed_attention.segment_layout(jnp.asarray(ids), max_segments=4)
+    np.testing.assert_array_equal(lengths, [[2, 3, 2, 1], [8, -1, -1, -1], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(offsets, [[0, 2, 5, 7, -1], [0, -1, -1, -1, -1], [0, 1, 2, 3, 4]])
+    np.testing.assert_array_equal(count, [4, 1, 8])  # the last row overflows: its step runs the masked kernel
+
+
+def test_the_private_cudnn_entry_point_still_takes_the_packed_layout():
+    params = inspect.signature(cudnn_attention.dot_product_attention).parameters
+    assert set(packed_attention.SIGNATURE) <= set(params)
+    assert cudnn_attention.MaskType.PADDING_CAUSAL
+
+
+@pytest.mark.parametrize("capability, context, bound, packed", [
+    ("9.0", 1, "null", 2048 // 64), ("9.0", 1, "12", 12), ("9.0", 1, "0", 0), ("8.0", 1, "null", 0),
+    ("9.0", 2, "null", 0)])
+def test_hopper_gpus_keep_documents_apart_through_the_packed_layout(capability, context, bound, packed):
+    cfg = load_config(None, ["model.dtype=bfloat16", "train.seq_len=2048", f"model.max_segments_per_row={bound}"])
+    degrees = {"data": 1, "fsdp": 1, "stage": 1, "context": context, "expert": 1, "tensor": 1}
+    kernels, attn, _ = _check_backend(cfg, degrees, "gpu", "NVIDIA H200", capability)
+    assert kernels.attention == "cudnn" and kernels.packed_segments == packed
+    assert ("packed layout" in attn) == bool(packed)

@@ -1,6 +1,7 @@
 """Causal self-attention with GQA/MQA, RoPE, optional QK-norm and sliding windows; one kernel entry point, `attend`."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from mlm_jax.model.kernels import Kernels
 from mlm_jax.model.linear import Linear
 from mlm_jax.model.norm import Norm
 from mlm_jax.model.rope import RopeConfig, apply_rope
-from mlm_jax.ops import te
+from mlm_jax.ops import packed_attention, te
 
 
 @dataclass(frozen=True)
@@ -56,27 +57,36 @@ def attend(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, kernels: Ker
     """
     if local is False or window is None:
         window, local = None, True
+    # the packed layout's bound travels only where the plan set one (never to context-parallel attention)
+    packed = {"packed_segments": kernels.packed_segments} if kernels.packed_segments else {}
     return (kernels.attend or local_attention)(q_BSNH, k_BSKH, v_BSKH, impl=kernels.attention, window=window,
-                                               local=local, segment_ids=segment_ids_BS)
+                                               local=local, segment_ids=segment_ids_BS, **packed)
 
 
 def local_attention(q_BSNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, impl: str,
                     window: int | None = None, local: bool | jax.Array = True,
-                    segment_ids: jax.Array | None = None) -> jax.Array:
+                    segment_ids: jax.Array | None = None, packed_segments: int = 0) -> jax.Array:
     """Causal attention through the kernel `impl` names (cudnn, xla or te), with no collective of its own. A
     window is cuDNN's local window on GPUs (blocks outside it are skipped), a mask in XLA; a traced `local` picks
     windowed or full attention in a `lax.cond` (inside a pipeline stage, in the kernel's fully manual region).
-    `segment_ids` ([B, S]) add a mask: a query sees only the keys of its own segment."""
+    `segment_ids` ([B, S]) keep segments apart: through cuDNN's packed layout for rows of up to `packed_segments`
+    segments (`ops.packed_attention`), else a mask, so a query sees only the keys of its own segment."""
     if impl == "te":
         if segment_ids is not None:  # `validation.plan` refuses the run; here for a model called directly
             raise ValueError("Transformer Engine attention (model.attention_impl=te) keeps no segments apart")
         return te.attend(q_BSNH, k_BSKH, v_BSKH)
-    mask_B1SS = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
 
-    def kernel(window):
+    def masked(window, q_BSNH, k_BSKH, v_BSKH, segment_ids):
+        mask_B1SS = None if segment_ids is None else segment_mask(segment_ids, segment_ids)
         return jax.nn.dot_product_attention(q_BSNH, k_BSKH, v_BSKH, mask=mask_B1SS, is_causal=True,
                                             implementation=impl,
                                             local_window_size=None if window is None else (window - 1, 0))
+
+    def kernel(window):
+        if segment_ids is None or not packed_segments:
+            return masked(window, q_BSNH, k_BSKH, v_BSKH, segment_ids)
+        return packed_attention.attend(q_BSNH, k_BSKH, v_BSKH, segment_ids, max_segments=packed_segments,
+                                       window=window, masked=functools.partial(masked, window))
     if window is None or local is True:
         return kernel(window)
     return jax.lax.cond(local, lambda: kernel(window), lambda: kernel(None))

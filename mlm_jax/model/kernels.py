@@ -19,6 +19,9 @@ class Kernels:
     # products from the master weights (`linear.master_einsum`, `embed.master_take`): cast on their shard before
     # a gather, weight gradients from fp32 products (FSDP; per-layer gradient accumulation)
     master: bool = False
+    # segments (packed documents) through cuDNN's packed layout for rows of up to this many, 0 = through a mask
+    # (`ops.packed_attention`; Hopper GPUs, never with context parallelism, whose blocks split documents)
+    packed_segments: int = 0
     # A layout's replacements for what needs explicit collectives (`parallel.kernels`), None = compute locally:
     attend: Callable | None = None  # `attention.local_attention`'s signature (context or pipeline-stage attention)
     expert_ffn: Callable | None = None  # `experts.expert_ffn`'s signature (expert parallelism)

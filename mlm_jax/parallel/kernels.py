@@ -55,14 +55,16 @@ def layout_kernels(kernels: Kernels, mesh: Mesh, degrees: dict[str, int], *, res
 
 def repeated_kv_heads(q_BSNH, k_BSKH, v_BSKH, *, impl: str, repeat: int, attention: Callable,
                       window: int | None = None, local: bool | jax.Array = True,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
+                      segment_ids: jax.Array | None = None, **packed) -> jax.Array:
     """Fewer K/V heads than tensor ranks (`tensor` a multiple of K): each head repeated `repeat` times, so every
     rank holds one copy of the head its query heads read, as Megatron replicates them. Query head n reads
     repeated head n // (N / (K * repeat)) = original head n // (N / K): the same function. The K/V weights stay
-    whole on every tensor rank (their `kv_heads` dim does not divide), and only these activations repeat."""
+    whole on every tensor rank (their `kv_heads` dim does not divide), and only these activations repeat; `packed`
+    (the packed layout's bound, where the plan set one) passes through."""
     k_BSTH, v_BSTH = (ax.constrain(jnp.repeat(x, repeat, axis=2), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_KV_HEADS, None))
                       for x in (k_BSKH, v_BSKH))
-    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl, window=window, local=local, segment_ids=segment_ids)
+    return attention(q_BSNH, k_BSTH, v_BSTH, impl=impl, window=window, local=local, segment_ids=segment_ids,
+                     **packed)
 
 
 def load_balance(batch: dict, perm) -> dict:
@@ -76,7 +78,8 @@ def load_balance(batch: dict, perm) -> dict:
 
 
 def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, window: int | None = None,
-                    local: bool | jax.Array = True, segment_ids: jax.Array | None = None) -> jax.Array:
+                    local: bool | jax.Array = True, segment_ids: jax.Array | None = None,
+                    packed_segments: int = 0) -> jax.Array:
     """Causal attention inside a pipeline stage, in a `shard_map` manual over the axes the stage's is not.
 
     Batch and heads are split as the rules table lays out attention's activations (`resolver`), the sequence never
@@ -87,7 +90,7 @@ def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, wi
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not mesh.manual_axes:
         return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=impl, window=window, local=local,
-                               segment_ids=segment_ids)
+                               segment_ids=segment_ids, packed_segments=packed_segments)
     free = [a for a in mesh.axis_names if a not in mesh.manual_axes]
 
     def axes(names, shape, dim):
@@ -109,6 +112,6 @@ def stage_attention(q_BSNH, k_BSKH, v_BSKH, *, impl: str, resolver: Callable, wi
 
     def attend(q_BSNH, k_BSKH, v_BSKH, extra):
         return local_attention(q_BSNH, k_BSKH, v_BSKH, impl=impl, window=window, local=extra.get("local", local),
-                               segment_ids=extra.get("segment_ids"))
+                               segment_ids=extra.get("segment_ids"), packed_segments=packed_segments)
     return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, extra_specs), out_specs=spec,
                          axis_names=set(free), check_vma=False)(q_BSNH, k_BSKH, v_BSKH, extra)

@@ -186,7 +186,18 @@ def attention_kernel(impl: str, dtype: str, platform: str) -> str:
     return "cudnn" if platform == "gpu" and dtype in ("bfloat16", "float16") else "xla"
 
 
-def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: str) -> tuple[Kernels, str, str | None]:
+def _packed_segments(cfg: Config, kernel: str, d: dict[str, int], capability: str) -> int:
+    """The documents a row may hold for cuDNN's packed layout (`ops.packed_attention`), 0 where segments go through
+    a mask: other kernels, GPUs before Hopper, context parallelism (its blocks split documents), and latent
+    attention (whose value heads differ from its query heads)."""
+    bound = cfg.model.max_segments_per_row
+    if kernel != "cudnn" or d["context"] > 1 or cfg.model.mla.enabled or float(capability or 0) < 9.0:
+        return 0
+    return max(1, cfg.train.seq_len // 64) if bound is None else bound
+
+
+def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: str,
+                   device_capability: str = "") -> tuple[Kernels, str, str | None]:
     """The kernels this run will use, after checking the chosen ones can run here, and their names for the
     start-up report (attention, experts)."""
     m = cfg.model
@@ -209,7 +220,9 @@ def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: s
         attn += f" (cudnn: {attention.unavailable('cudnn', dtype, platform).split(';')[0]})"
     if d["context"] > 1:
         attn += f", context-parallel {cfg.parallel.context_strategy} over {d['context']} ranks"
-    kernels = Kernels(attention=kernel)
+    kernels = Kernels(attention=kernel, packed_segments=_packed_segments(cfg, kernel, d, device_capability))
+    if kernels.packed_segments:
+        attn += f", documents through the packed layout (up to {kernels.packed_segments} a row)"
     if not m.moe.enabled:
         return kernels, attn, None
     if m.moe.capacity_factor is not None:
@@ -242,7 +255,8 @@ def plan(cfg: Config, devices) -> Plan:
     devices = list(devices)
     degrees, M = check_degrees(cfg, len(devices))
     _check_hosts(cfg, devices)
-    kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind)
+    kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind,
+                                            getattr(devices[0], "compute_capability", ""))
     _check_eval_tasks(cfg)
     _check_dashboards(cfg)
     return Plan(degrees, M, kernels, attn, experts)
