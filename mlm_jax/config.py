@@ -174,7 +174,7 @@ class ModelConfig:
     attention_impl: str = choice("auto", "cudnn", "xla", "te")  # auto: cudnn on GPUs for 16-bit inputs, else xla
     # documents a row may hold for cuDNN's packed attention (Hopper; document masks, packed data); a step with a
     # fuller row runs masked attention, the same function, slower. null = train.seq_len // 64, 0 = masks always
-    max_segments_per_row: int | None = non_negative(0)
+    max_segments_per_row: int | None = non_negative(None)
     scan_layers: bool = True  # a lax.scan over the layers compiles once per model; unrolled runs faster
     # matmuls in `dtype` (bf16), XLA fp8 with current or delayed scaling, or Transformer Engine fp8
     precision: str = choice("bf16", "fp8", "fp8_delayed", "fp8_te")

@@ -41,3 +41,24 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, monkeypatch)
         t.fit()
     assert int(t.state.step) == 0 and not (tmp_path / "metrics.jsonl").exists()
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_a_step_whose_compilation_runs_out_of_memory_is_refused_in_one_line(tmp_path):
+    t = trainer(tmp_path, "parallel.data=8")
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Failed to get configs for: 5 out of 120 instructions.\n"
+                                     "Out of memory while trying to allocate 15.67GiB with allocator GPU_0_bfc")
+
+    class Step:  # the jitted step, as a compilation that runs out of memory leaves it
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            raise oom
+    t._train_step = Step()
+    with pytest.raises(ConfigError, match=r"^the run does not fit: compiling the step ran out of device memory "
+                                          r"\(Out of memory while trying to allocate 15\.67GiB with allocator "
+                                          r"GPU_0_bfc\) beside parameters [0-9.]+ GiB and optimizer state [0-9.]+ "
+                                          r"GiB: shard the weights .* train\.micro_batch_size$"):
+        t.fit()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert memory.compile_refusal(jax.errors.JaxRuntimeError("INTERNAL: a crash"), t.state, jax.devices()) is None

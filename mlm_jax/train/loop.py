@@ -31,7 +31,7 @@ from mlm_jax.train import hooks as hk
 from mlm_jax.train import metrics as mt
 from mlm_jax.train.dashboards import dashboards
 from mlm_jax.train.loss import head_loss
-from mlm_jax.train.memory import memory_report
+from mlm_jax.train.memory import compile_refusal, memory_report
 from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import TrainState, abstract_state, init_params, init_state, opt_state_shardings, state_shardings
 from mlm_jax.train.step import StepPlan, eval_loss, gradients, train_step
@@ -330,7 +330,12 @@ class Trainer:
         if self._compiled is not None:
             return
         t0 = time.perf_counter()
-        compiled = self._train_step.lower(self.state, batch).compile()
+        try:
+            compiled = self._train_step.lower(self.state, batch).compile()
+        except jax.errors.JaxRuntimeError as e:
+            if (refusal := compile_refusal(e, self.state, self._local_devices())) is None:
+                raise
+            raise refusal from None
         self.compile_time_s = time.perf_counter() - t0
         self.memory = memory_report(compiled, self.state, self._local_devices())
         self.memory.check()

@@ -44,9 +44,26 @@ class MemoryReport:
     def check(self) -> None:
         """Refuses (one line, with the figures) a step that needs more than a device has."""
         if self.capacity and self.total > self.capacity:
-            raise ConfigError(f"the run does not fit: {self.describe()}: shard the weights and optimizer state "
-                              f"further (parallel.fsdp, parallel.tensor, parallel.shard_optimizer), recompute "
-                              f"activations (model.remat) or lower train.micro_batch_size")
+            raise ConfigError(f"the run does not fit: {self.describe()}: {_REMEDY}")
+
+
+_REMEDY = ("shard the weights and optimizer state further (parallel.fsdp, parallel.tensor, parallel.shard_optimizer), "
+           "recompute activations (model.remat) or lower train.micro_batch_size")
+
+
+def compile_refusal(error: Exception, state, devices) -> ConfigError | None:
+    """The refusal of a step whose compilation ran out of device memory (XLA's autotuner runs candidate kernels
+    beside the weights and optimizer state already there, before any memory analysis exists), or None for
+    another error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    cap = capacity(devices)
+    of = f" of {cap / GIB:.1f} GiB" if cap else ""
+    detail = next((line.strip() for line in text.splitlines() if "Out of memory" in line), text.splitlines()[0])
+    return ConfigError(f"the run does not fit: compiling the step ran out of device memory ({detail}) beside "
+                       f"parameters {per_device_bytes(state.params) / GIB:.2f} GiB and optimizer state "
+                       f"{per_device_bytes(state.opt_state) / GIB:.2f} GiB{of}: {_REMEDY}")
 
 
 def memory_report(compiled, state, devices) -> MemoryReport:
