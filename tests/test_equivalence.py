@@ -2,11 +2,18 @@
 
 Loss within 1e-5 and every parameter leaf's gradient within 1e-4 relative, at every step (`layouts.py`).
 """
+import dataclasses
+import functools
+
+import jax
 import numpy as np
 import pytest
 
 from families import FAMILIES
-from layouts import assert_matches, fit, reference
+from layouts import assert_matches, fit, leaves, reference
+from mlm_jax import Trainer, load_config
+from mlm_jax.data import loader as data_lib
+from mlm_jax.train.step import gradients
 
 BASE = ["model.dtype=float32", "train.steps=3", "train.log_every=1", "train.eval_every=0",
         "train.global_batch_size=8", "train.seq_len=64", "log.progress=never", "optim.warmup_steps=0",
@@ -112,3 +119,26 @@ def test_family_features_match_single_device(family, layout, tmp_path):
     model = FAMILIES[family] + [o for o in layout if o.startswith(("model.", "train."))]
     ref = reference(BASE, model + ["parallel.data=1"], tmp_path / "ref")
     assert_matches(run(FAMILIES[family] + layout, 8, tmp_path / "layout"), ref)
+
+
+@pytest.mark.parametrize("layout, num_devices", [
+    pytest.param(["parallel.data=1"], 1, id="one-device"),
+    pytest.param(["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"], 8, id="data2-fsdp2-tensor2"),
+])
+def test_bf16_copies_cast_once_a_step_give_the_products_of_the_master_weights(layout, num_devices, tmp_path):
+    """Accumulating per layer in bf16 over fp32 master weights, the kernels' bf16 copies made once a step
+    (`StepPlan.cast_once`) give the loss and every leaf's gradient that casting in each microbatch's products gives."""
+    cfg = load_config(None, BASE + layout + ["model.dtype=bfloat16", "model.scan_layers=false",
+                                             "train.num_microbatches=2", f"train.output_dir={tmp_path}"])
+    trainer = Trainer(cfg, devices=jax.devices()[:num_devices])
+    plan = trainer.step_plan
+    assert {("blocks", "mlp", "up", "kernel"), ("blocks", "attn", "q", "kernel")} <= plan.cast_once
+    batch = data_lib.global_batch(trainer.loader, 0, trainer.batch_sharding)
+    (m_once, g_once), (m_each, g_each) = (
+        jax.jit(functools.partial(gradients, p))(trainer.state.params, batch)
+        for p in (plan, dataclasses.replace(plan, cast_once=frozenset())))
+    np.testing.assert_allclose(float(m_once["loss"]), float(m_each["loss"]), rtol=1e-6)
+    once, each = leaves(g_once), leaves(g_each)
+    for path in each:
+        assert once[path].dtype == each[path].dtype == np.float32
+        np.testing.assert_allclose(once[path], each[path], rtol=1e-5, atol=1e-7, err_msg=path)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,16 @@ from mlm_jax.ops.fp8 import HISTORY, delayed_einsum, fp8_einsum
 def param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
     """A parameter tagged with logical dim names; the trainer resolves them, layers never see a mesh."""
     return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class CastWeight:
+    """A kernel's fp32 master beside its compute-dtype copy, made once a step rather than once a microbatch (per-layer
+    gradient accumulation, `train.step`): the products read the copy, the weight gradient goes to the master."""
+
+    master: jax.Array
+    copy: jax.Array
 
 
 class Linear(nnx.Module):
@@ -46,8 +57,10 @@ class Linear(nnx.Module):
         `row_scale` (fp32, broadcast against the product) multiplies the product before the bias: a norm's per-row
         factor whose per-column gain is folded into the kernel (decode-time blocks, `mlm_jax.infer`)."""
         x = x.astype(self.dtype)
-        if self.precision == "bf16" and self.kernels.master:
-            y = master_einsum(self.equation, x, self.kernel[...])
+        if isinstance(weight := self.kernel.get_value(), CastWeight):
+            y = copy_einsum(self.equation, x, weight.master, weight.copy)
+        elif self.precision == "bf16" and self.kernels.master:
+            y = master_einsum(self.equation, x, weight)
         elif self.precision == "fp8":
             y = fp8_einsum(self.equation, x, self.kernel[...].astype(self.dtype))
         elif self.precision == "fp8_delayed":
@@ -59,6 +72,12 @@ class Linear(nnx.Module):
         if row_scale is not None:
             y = (y.astype(jnp.float32) * row_scale).astype(self.dtype)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
+
+
+def master_kernels(module: nnx.Module) -> frozenset[tuple[str, ...]]:
+    """The paths of the kernels in `module` that `master_einsum` multiplies (bf16 `Linear`s with master kernels)."""
+    return frozenset((*map(str, path), "kernel") for path, m in nnx.iter_modules(module)
+                     if isinstance(m, Linear) and m.precision == "bf16" and m.kernels.master)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -74,13 +93,39 @@ def _master_fwd(equation, x, master):
     return master_einsum(equation, x, master), (x, master)
 
 
-def _master_bwd(equation, residuals, dy):
-    x, master = residuals
+def _gradients(equation, x, w, dy, master_dtype):
+    """(dx in x's dtype from the compute weight `w`, dw as an fp32 product in the master's dtype)."""
     inputs, out = equation.split("->")
     xs, ks = inputs.split(",")
-    dx = jnp.einsum(f"{out},{ks}->{xs}", dy, master.astype(x.dtype))
+    dx = jnp.einsum(f"{out},{ks}->{xs}", dy, w)
     dw = jnp.einsum(f"{xs},{out}->{ks}", x, dy, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(master.dtype)
+    return dx.astype(x.dtype), dw.astype(master_dtype)
+
+
+def _master_bwd(equation, residuals, dy):
+    x, master = residuals
+    return _gradients(equation, x, master.astype(x.dtype), dy, master.dtype)
 
 
 master_einsum.defvjp(_master_fwd, _master_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def copy_einsum(equation: str, x: jax.Array, master: jax.Array, copy: jax.Array) -> jax.Array:
+    """`master_einsum` from a copy of the master in x's dtype made beforehand (`CastWeight`): the products read the
+    copy, the weight gradient is an fp32 product returned for the master; the copy gets none (a zero), as it is
+    made outside what is differentiated."""
+    return jnp.einsum(equation, x, copy)
+
+
+def _copy_fwd(equation, x, master, copy):
+    return copy_einsum(equation, x, master, copy), (x, master, copy)
+
+
+def _copy_bwd(equation, residuals, dy):
+    x, master, copy = residuals
+    dx, dw = _gradients(equation, x, copy, dy, master.dtype)
+    return dx, dw, jnp.zeros_like(copy)
+
+
+copy_einsum.defvjp(_copy_fwd, _copy_bwd)

@@ -20,6 +20,7 @@ from mlm_jax.data.dataset import build_datasets
 from mlm_jax.eval.tasks import evaluate_training
 from mlm_jax.infer.generate import generate
 from mlm_jax.model import axes as ax
+from mlm_jax.model.linear import master_kernels
 from mlm_jax.model.transformer import STACKS, layer_kinds, model_spec
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import shared_time
@@ -185,8 +186,9 @@ class Trainer:
             per_layer=() if cfg.model.scan_layers else STACKS, prepare=su.prepare, pipeline=pipeline,
             pipeline_loss=forward)
         if step_plan.per_layer_stacks(self.spec.shapes):  # accumulated per layer: weight gradients in fp32
-            step_plan = dataclasses.replace(step_plan, graphdef=model_spec(
-                cfg.model, dataclasses.replace(su.kernels, master=True)).graphdef)
+            graphdef = model_spec(cfg.model, dataclasses.replace(su.kernels, master=True)).graphdef
+            step_plan = dataclasses.replace(step_plan, graphdef=graphdef, cast_once=frozenset(
+                path for path in master_kernels(nnx.merge(graphdef, self.spec.shapes)) if path[0] in STACKS))
         self.step_plan = step_plan
 
         def step(state, batch):  # named: the program is `jit_step` in dumps and profiles

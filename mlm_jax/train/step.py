@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import MoEConfig
 from mlm_jax.model import axes as ax
+from mlm_jax.model.linear import CastWeight
 from mlm_jax.model.moe import balance_loss, moe_metrics
 from mlm_jax.ops.fp8 import is_history
 from mlm_jax.train.loss import head_loss, token_count
@@ -37,6 +38,8 @@ class StepPlan:
     fp32 products (`linear.master_einsum`), so that XLA adds a layer's gradient into its sum in the epilogue of the
     product that makes it, where the memory traffic hides under the matmul, rather than in passes of their own over
     every gradient, stacked, per microbatch. Not with ZeRO-1, whose gradients are reduce-scattered per microbatch.
+    `cast_once`: the kernels (paths from the parameters' root) of those products whose copy in `compute_dtype` is
+    made once a step before the microbatches (`linear.CastWeight`) rather than by each microbatch's products.
     """
 
     graphdef: nnx.GraphDef
@@ -48,6 +51,7 @@ class StepPlan:
     moe: MoEConfig | None = None
     loss_chunks: int = 1
     per_layer: tuple[str, ...] = ()
+    cast_once: frozenset[tuple[str, ...]] = frozenset()
     prepare: Callable | None = None
     pipeline: Callable | None = None
     pipeline_loss: Callable | None = None
@@ -198,8 +202,10 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, count, stacks):
 
     layer_shardings = spread(plan.master_shardings, lambda s, _: jax.NamedSharding(s.mesh, P(*s.spec[1:])))
     loads_LE = _step_loads(plan, params, micro)
+    copies = _compute_copies(plan, params, counts)
     value_and_grad = jax.value_and_grad(
-        lambda p, mb: objective(plan, gather(p), mb, count, 1 / plan.accum_steps, loads_LE), has_aux=True)
+        lambda p, mb: objective(plan, gather(_with_copies(p, copies)), mb, count, 1 / plan.accum_steps, loads_LE),
+        has_aux=True)
 
     def body(grad_sum, a):
         mb = _microbatch(micro, a)
@@ -211,6 +217,29 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, count, stacks):
     zeros = spread(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), lambda w, i: w[i])
     grad_sum, metrics_A = jax.lax.scan(body, zeros, jnp.arange(plan.accum_steps))
     return _combined(metrics_A), _to_master(plan, gather(grad_sum))
+
+
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in path)
+
+
+def _compute_copies(plan: StepPlan, params, counts: dict[str, int]) -> dict[str, list[dict]]:
+    """Per stack, per layer: {kernel path in the layer: its copy in the compute dtype} for `plan.cast_once`'s
+    kernels whose master weights are in another dtype, cast once, before the microbatch loop."""
+    copies = {}
+    for k, n in counts.items():
+        kernels = [(_names(path), w) for path, w in jax.tree_util.tree_flatten_with_path(params[k])[0]
+                   if (k, *_names(path)) in plan.cast_once and w.dtype != plan.compute_dtype]
+        copies[k] = [{name: w[i].astype(plan.compute_dtype) for name, w in kernels} for i in range(n)]
+    return copies
+
+
+def _with_copies(tree, copies: dict[str, list[dict]]):
+    """The per-layer weights `tree` with each kernel that has a copy paired with it (`linear.CastWeight`)."""
+    def pair(layer, copy):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, w: CastWeight(w, copy[_names(path)]) if _names(path) in copy else w, layer)
+    return {**tree, **{k: [pair(layer, copy) for layer, copy in zip(tree[k], cs)] for k, cs in copies.items()}}
 
 
 def gradients(plan: StepPlan, params, batch) -> tuple[dict, Any]:
