@@ -39,6 +39,7 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, monkeypatch)
                                           r"[0-9.]+ GiB of 0\.0 GiB: shard the weights .* lower "
                                           r"train\.micro_batch_size$"):
         t.fit()
+    assert t._state is None  # refused from the step's shapes, before a new run's weights are made
     assert int(t.state.step) == 0 and not (tmp_path / "metrics.jsonl").exists()
     assert not (tmp_path / "tensorboard").exists()
 

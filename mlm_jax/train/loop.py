@@ -107,22 +107,42 @@ class Trainer:
         self.resumed_from = None
         # _resume and init_from before the Checkpointer (which creates the directory): a refused start writes
         # nothing, and the manager lists the steps only after unreadable checkpoints are moved aside
+        self._abstract, self._opt_shardings = abstract, opt_shardings
         resumed = self._resume(abstract)
-        self.state: TrainState = resumed if resumed is not None else self._initial_state(abstract, opt_shardings)
+        if resumed is None and c.init_from:
+            resumed = self._init_from(abstract)
+        self._state = resumed  # None: a new run, whose weights `state` makes once `fit` has checked the step fits
         self.checkpointer = ckpt.Checkpointer(c.dir, c.every, c.keep) if c.save else None
 
-    def _initial_state(self, abstract: TrainState, opt_shardings) -> TrainState:
-        """A new run's state: `checkpoint.init_from`'s weights (refused in one line where their shapes differ) or
-        fresh ones, and a fresh optimizer."""
+    def _init_from(self, abstract: TrainState) -> TrainState:
+        """`checkpoint.init_from`'s weights (refused in one line where their shapes differ) and a fresh optimizer."""
         cfg, c = self.cfg, self.cfg.checkpoint
-        if c.init_from:
-            def check_init(step: int, meta: dict, mismatch: str | None) -> None:
-                check_weights(cfg, meta.get("config") or {}, "checkpoint.init_from", f"{c.init_from} (step {step})",
-                              mismatch)
-            params, _ = ckpt.restore_params(c.init_from, abstract.params, check=check_init)
-        else:
-            params = init_params(cfg.model, cfg.train.seed, self.master_shardings)
-        return init_state(self.tx, params, opt_shardings, self.mesh)
+
+        def check_init(step: int, meta: dict, mismatch: str | None) -> None:
+            check_weights(cfg, meta.get("config") or {}, "checkpoint.init_from", f"{c.init_from} (step {step})",
+                          mismatch)
+        params, _ = ckpt.restore_params(c.init_from, abstract.params, check=check_init)
+        return init_state(self.tx, params, self._opt_shardings, self.mesh)
+
+    @property
+    def state(self) -> TrainState:
+        """The train state. A new run's weights are made on first use: `fit` compiles its step and checks that it
+        fits from the state's shapes first, so that a step that cannot fit is refused before any weight takes
+        device memory (and XLA's autotuner, compiling, has the device's memory to itself)."""
+        if self._state is None:
+            params = init_params(self.cfg.model, self.cfg.train.seed, self.master_shardings)
+            self._state = init_state(self.tx, params, self._opt_shardings, self.mesh)
+        return self._state
+
+    @state.setter
+    def state(self, value: TrainState) -> None:
+        self._state = value
+
+    def _steps_done(self) -> tuple[int, int]:
+        """(steps done, steps skipped), without making a new run's weights."""
+        if self._state is None:
+            return 0, 0
+        return int(self._state.step), int(self._state.skipped_steps)
 
     def _resume(self, abstract: TrainState) -> TrainState | None:
         """`checkpoint.resume`: auto (the newest complete checkpoint in `checkpoint.dir`), none, or a path.
@@ -198,7 +218,7 @@ class Trainer:
             return eval_loss(eval_plan, params, batch)
 
         eval_plan = dataclasses.replace(step_plan, graphdef=eval_graphdef)
-        shardings = state_shardings(self.state)
+        shardings = state_shardings(self._abstract)
         batch_shardings = dict.fromkeys(self.loader.keys, self.batch_sharding)
         kept = (self.master_shardings,) if self.keep_gradients else ()
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
@@ -277,7 +297,7 @@ class Trainer:
         step saves the state (the bad update dropped) and raises `TrainingStopped`.
         """
         t = self.cfg.train
-        start = int(self.state.step)
+        start = self._steps_done()[0]
         end = t.steps if steps is None else start + steps
         if start >= end:
             return []
@@ -315,7 +335,7 @@ class Trainer:
         hooks = [hk.Profile(cfg.log, t.output_dir, self.is_main),
                  hk.LogMetrics(t.log_every, throughput, records, self._local_devices())]
         if t.nan_policy == "stop":
-            hooks.append(hk.StopOnNonFinite(t.log_every, start, int(self.state.skipped_steps), self._stop_on_nan))
+            hooks.append(hk.StopOnNonFinite(t.log_every, start, self._steps_done()[1], self._stop_on_nan))
         hooks += [hk.Evaluate(t.eval_every, lambda: {"eval_loss": self.evaluate()}, throughput, records),
                   hk.Evaluate(cfg.eval.every if cfg.eval.tasks else 0, self.evaluate_tasks, throughput, records),
                   hk.StopOnSignal(t.log_every)]
@@ -331,15 +351,16 @@ class Trainer:
         """Compiles the train step on the first fit only, then reports what the run is."""
         if self._compiled is not None:
             return
+        state = self._abstract if self._state is None else self._state
         t0 = time.perf_counter()
         try:
-            compiled = self._train_step.lower(self.state, batch).compile()
+            compiled = self._train_step.lower(state, batch).compile()
         except jax.errors.JaxRuntimeError as e:
-            if (refusal := compile_refusal(e, self.state, self._local_devices())) is None:
+            if (refusal := compile_refusal(e, state, self._local_devices())) is None:
                 raise
             raise refusal from None
         self.compile_time_s = time.perf_counter() - t0
-        self.memory = memory_report(compiled, self.state, self._local_devices())
+        self.memory = memory_report(compiled, state, self._local_devices())
         self.memory.check()
         self._compiled = compiled
         if self.is_main:
