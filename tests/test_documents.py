@@ -88,7 +88,8 @@ def test_a_packed_row_gives_each_document_its_own_logits(family):
 
 
 BASE = TINY + ["train.steps=1", "train.global_batch_size=8", f"train.seq_len={S}", "log.progress=never",
-               "train.eval_every=0", "data.max_bytes=2000000", "checkpoint.save=false"]
+               "train.eval_every=0", "data.max_bytes=2000000", "checkpoint.save=false",
+               "data.document_masking=true"]  # the embedded corpus's batches then carry segment ids
 MOE = ["model.moe.num_experts=4", "model.moe.aux_loss_coef=0", "model.moe.z_loss_coef=0"]  # routing statistics
 # count the padding of unpacked rows too: only the cross-entropy is the same function packed and unpacked
 

@@ -25,7 +25,7 @@ class Datasets:
 
 def build_datasets(d: DataConfig, seq_len: int, vocab_size: int, seed: int) -> Datasets:
     """Every mismatch between the data and the run raises ConfigError naming the key."""
-    if d.packing and not d.document_masking:
+    if d.packing and not d.masks_documents:
         raise ConfigError("data.packing=true keeps packed examples apart, which data.document_masking=false would "
                           "not: set data.document_masking=true")
     if not d.paths:
@@ -46,7 +46,7 @@ def build_datasets(d: DataConfig, seq_len: int, vocab_size: int, seed: int) -> D
                 return Datasets(train, validation, f"{corpus.description}, {_packed_text([train])}", eod)
         except ValueError as e:
             raise ConfigError(f"data: {e}") from None
-        masked = eod if d.document_masking else None
+        masked = eod if d.masks_documents else None
         return Datasets(TokenWindows(corpus.train, seq_len, masked), TokenWindows(corpus.validation, seq_len, masked),
                         corpus.description, eod)
     try:
@@ -90,7 +90,7 @@ def build_datasets(d: DataConfig, seq_len: int, vocab_size: int, seed: int) -> D
     described = ", ".join(f"{t.path} ({int(n):,} train tokens, weight {w:g})"
                           for t, n, w in zip(tokdirs, sizes, weights))
     description = f"{len(d.paths)} prepared dir(s): {described}" + (f", {_packed_text(trains)}" if packing else "")
-    masked = eod if d.document_masking else None
+    masked = eod if d.masks_documents else None
     return Datasets(BlendedTokens(trains, weights, seq_len, seed, masked), BlendedTokens(vals, weights, seq_len, seed,
                                                                                          masked), description, eod)
 

@@ -206,10 +206,11 @@ def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: s
         if value in ("te", "fp8_te") and (reason := te.missing()):
             raise ConfigError(f"model.{key}={value} needs Transformer Engine (transformer_engine.jax), which does not "
                               f"import here ({reason})")
-    if cfg.data.document_masking and m.attention_impl == "te":
-        raise ConfigError("data.document_masking=true with model.attention_impl=te: the Transformer Engine kernel "
-                          "here keeps no documents apart; use model.attention_impl=auto, or data.document_masking="
-                          "false to let documents see each other")
+    if cfg.data.masks_documents and m.attention_impl == "te":
+        setting = "true" if cfg.data.document_masking else "null (on for prepared directories)"
+        raise ConfigError(f"data.document_masking={setting} with model.attention_impl=te: the Transformer Engine "
+                          "kernel here keeps no documents apart; use model.attention_impl=auto, or "
+                          "data.document_masking=false to let documents see each other")
     kernel = attention_kernel(m.attention_impl, dtype, platform)
     if reason := attention.unavailable(kernel, dtype, platform):
         key = f"model.attention_impl={m.attention_impl}" if m.attention_impl == kernel else f"model.dtype={dtype}"
