@@ -15,10 +15,11 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from layouts import leaves
 from mlm_jax import Trainer, load_config
+from mlm_jax.config import ConfigError
 from mlm_jax.data.documents import document_fields
 from mlm_jax.model.attention import local_attention
 from mlm_jax.model.transformer import Transformer, segment_positions
-from mlm_jax.ops import packed_attention
+from mlm_jax.ops import packed_attention, te
 from mlm_jax.validation.plan import _check_backend
 
 S, ROWS, VOCAB = 32, 8, 128
@@ -193,3 +194,19 @@ def test_hopper_gpus_keep_documents_apart_through_the_packed_layout(capability, 
     kernels, attn, _ = _check_backend(cfg, degrees, "gpu", "NVIDIA H200", capability)
     assert kernels.attention == "cudnn" and kernels.packed_segments == packed
     assert ("packed layout" in attn) == bool(packed)
+
+
+@pytest.mark.parametrize("overrides, masks", [
+    ([], False), (["data.paths=[some/dir]"], True), (["data.packing=true"], True),
+    (["data.document_masking=true"], True), (["data.paths=[some/dir]", "data.document_masking=false"], False)])
+def test_documents_are_kept_apart_by_default_in_prepared_and_packed_data_only(overrides, masks):
+    assert load_config(None, overrides).data.masks_documents is masks
+
+
+def test_documents_kept_apart_by_default_refuse_a_kernel_that_cannot(monkeypatch):
+    monkeypatch.setattr(te, "missing", lambda: None)  # as if Transformer Engine imported
+    cfg = load_config(None, ["model.dtype=bfloat16", "model.attention_impl=te", "data.paths=[some/dir]"])
+    degrees = {"data": 1, "fsdp": 1, "stage": 1, "context": 1, "expert": 1, "tensor": 1}
+    with pytest.raises(ConfigError, match=r"^data\.document_masking=null \(on for prepared directories\) with "
+                                          r"model\.attention_impl=te: .* data\.document_masking=false"):
+        _check_backend(cfg, degrees, "gpu", "NVIDIA H200", "9.0")
