@@ -58,8 +58,8 @@ def test_a_step_whose_compilation_runs_out_of_memory_is_refused_in_one_line(tmp_
     t._train_step = Step()
     with pytest.raises(ConfigError, match=r"^the run does not fit: compiling the step ran out of device memory "
                                           r"\(Out of memory while trying to allocate 15\.67GiB with allocator "
-                                          r"GPU_0_bfc\) beside parameters [0-9.]+ GiB and optimizer state [0-9.]+ "
-                                          r"GiB: shard the weights .* train\.micro_batch_size$"):
+                                          r"GPU_0_bfc\); parameters [0-9.]+ GiB and optimizer state [0-9.]+ "
+                                          r"GiB per device: shard the weights .* train\.micro_batch_size$"):
         t.fit()
     assert not (tmp_path / "metrics.jsonl").exists()
     assert memory.compile_refusal(jax.errors.JaxRuntimeError("INTERNAL: a crash"), t.state, jax.devices()) is None

@@ -53,17 +53,16 @@ _REMEDY = ("shard the weights and optimizer state further (parallel.fsdp, parall
 
 def compile_refusal(error: Exception, state, devices) -> ConfigError | None:
     """The refusal of a step whose compilation ran out of device memory (XLA's autotuner runs candidate kernels
-    beside the weights and optimizer state already there, before any memory analysis exists), or None for
-    another error."""
+    before any memory analysis exists, beside a resumed run's state), or None for another error."""
     text = str(error)
     if "RESOURCE_EXHAUSTED" not in text:
         return None
     cap = capacity(devices)
     of = f" of {cap / GIB:.1f} GiB" if cap else ""
     detail = next((line.strip() for line in text.splitlines() if "Out of memory" in line), text.splitlines()[0])
-    return ConfigError(f"the run does not fit: compiling the step ran out of device memory ({detail}) beside "
+    return ConfigError(f"the run does not fit: compiling the step ran out of device memory ({detail}); "
                        f"parameters {per_device_bytes(state.params) / GIB:.2f} GiB and optimizer state "
-                       f"{per_device_bytes(state.opt_state) / GIB:.2f} GiB{of}: {_REMEDY}")
+                       f"{per_device_bytes(state.opt_state) / GIB:.2f} GiB per device{of}: {_REMEDY}")
 
 
 def memory_report(compiled, state, devices) -> MemoryReport:
