@@ -62,13 +62,13 @@ class Linear(nnx.Module):
         elif self.precision == "bf16" and self.kernels.master:
             y = master_einsum(self.equation, x, weight)
         elif self.precision == "fp8":
-            y = fp8_einsum(self.equation, x, self.kernel[...].astype(self.dtype))
+            y = fp8_einsum(self.equation, x, weight.astype(self.dtype))
         elif self.precision == "fp8_delayed":
-            y = delayed_einsum(self.equation, x, self.kernel[...].astype(self.dtype), getattr(self, HISTORY)[...])
+            y = delayed_einsum(self.equation, x, weight.astype(self.dtype), getattr(self, HISTORY)[...])
         elif self.precision == "fp8_te":
-            y = te.einsum(self.equation, x, self.kernel[...].astype(self.dtype))
+            y = te.einsum(self.equation, x, weight.astype(self.dtype))
         else:
-            y = (self.kernels.few_rows or jnp.einsum)(self.equation, x, self.kernel[...].astype(self.dtype))
+            y = (self.kernels.few_rows or jnp.einsum)(self.equation, x, weight.astype(self.dtype))
         if row_scale is not None:
             y = (y.astype(jnp.float32) * row_scale).astype(self.dtype)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y

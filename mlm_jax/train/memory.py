@@ -24,6 +24,10 @@ def capacity(devices) -> int | None:
     return min(limits) if limits else None
 
 
+_REMEDY = ("shard the weights and optimizer state further (parallel.fsdp, parallel.tensor, parallel.shard_optimizer), "
+           "recompute activations (model.remat) or lower train.micro_batch_size")
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """Per device, in bytes: `total` is the compiled step's footprint (its inputs, the weights and optimizer state
@@ -45,10 +49,6 @@ class MemoryReport:
         """Refuses (one line, with the figures) a step that needs more than a device has."""
         if self.capacity and self.total > self.capacity:
             raise ConfigError(f"the run does not fit: {self.describe()}: {_REMEDY}")
-
-
-_REMEDY = ("shard the weights and optimizer state further (parallel.fsdp, parallel.tensor, parallel.shard_optimizer), "
-           "recompute activations (model.remat) or lower train.micro_batch_size")
 
 
 def compile_refusal(error: Exception, state, devices) -> ConfigError | None:

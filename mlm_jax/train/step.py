@@ -237,8 +237,10 @@ def _compute_copies(plan: StepPlan, params, counts: dict[str, int]) -> dict[str,
 def _with_copies(tree, copies: dict[str, list[dict]]):
     """The per-layer weights `tree` with each kernel that has a copy paired with it (`linear.CastWeight`)."""
     def pair(layer, copy):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, w: CastWeight(w, copy[_names(path)]) if _names(path) in copy else w, layer)
+        def one(path, w):
+            c = copy.get(_names(path))
+            return w if c is None else CastWeight(w, c)
+        return jax.tree_util.tree_map_with_path(one, layer)
     return {**tree, **{k: [pair(layer, copy) for layer, copy in zip(tree[k], cs)] for k, cs in copies.items()}}
 
 
