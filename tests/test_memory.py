@@ -7,7 +7,7 @@ import pytest
 
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError
-from mlm_jax.train import memory
+from mlm_jax.train import loop, memory
 
 BASE = ["train.steps=2", "train.log_every=1", "train.eval_every=0", "train.global_batch_size=8",
         "train.seq_len=32", "log.progress=never", "data.max_bytes=2000000", "log.tensorboard=false"]
@@ -33,7 +33,7 @@ def test_the_report_follows_the_shardings_and_the_compiled_step(tmp_path, capsys
 
 
 def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory, "capacity", lambda devices: 2**20)
+    monkeypatch.setattr(loop, "capacity", lambda devices: 2**20)
     t = trainer(tmp_path, "parallel.data=8", "log.tensorboard=true")
     with pytest.raises(ConfigError, match=r"^the run does not fit: memory per device: parameters .* GiB; the step "
                                           r"[0-9.]+ GiB of 0\.0 GiB: shard the weights .* lower "

@@ -32,7 +32,7 @@ from mlm_jax.train import hooks as hk
 from mlm_jax.train import metrics as mt
 from mlm_jax.train.dashboards import dashboards
 from mlm_jax.train.loss import head_loss
-from mlm_jax.train.memory import compile_refusal, memory_report
+from mlm_jax.train.memory import capacity, compile_refusal, memory_report
 from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import TrainState, abstract_state, init_params, init_state, opt_state_shardings, state_shardings
 from mlm_jax.train.step import StepPlan, eval_loss, gradients, train_step
@@ -308,7 +308,7 @@ class Trainer:
         prefetch = data_lib.Prefetcher(self.loader, self.batch_sharding, start)
         try:
             batch = prefetch.get(start)
-            self._compile(batch)
+            self._compile()
             self.log.start = time.perf_counter()
             throughput.restart()
             for step in range(start, end):
@@ -347,20 +347,31 @@ class Trainer:
         """This process's devices of the mesh (the only ones whose memory it can ask about)."""
         return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
 
-    def _compile(self, batch: dict) -> None:
+    def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Every field of a step's batch (`loader.keys`) as a shape in the batch's layout."""
+        t = self.cfg.train
+        return {k: jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), v.dtype, sharding=self.batch_sharding)
+                for k, v in self.loader.fields(0, 0, 1).items()}
+
+    def compile_step(self) -> jax.stages.Compiled:
+        """The train step compiled from the state's and the batch's shapes (nothing is made or moved): what `fit`
+        runs, and what the layout planner reads (`mlm_jax.plan`)."""
+        return self._train_step.lower(self._abstract, self.batch_shapes()).compile()
+
+    def _compile(self) -> None:
         """Compiles the train step on the first fit only, then reports what the run is."""
         if self._compiled is not None:
             return
         state = self._abstract if self._state is None else self._state
         t0 = time.perf_counter()
         try:
-            compiled = self._train_step.lower(state, batch).compile()
+            compiled = self.compile_step()
         except jax.errors.JaxRuntimeError as e:
             if (refusal := compile_refusal(e, state, self._local_devices())) is None:
                 raise
             raise refusal from None
         self.compile_time_s = time.perf_counter() - t0
-        self.memory = memory_report(compiled, state, self._local_devices())
+        self.memory = memory_report(compiled, state, capacity(self._local_devices()))
         self.memory.check()
         self._compiled = compiled
         if self.is_main:

@@ -65,10 +65,11 @@ def compile_refusal(error: Exception, state, devices) -> ConfigError | None:
                        f"{per_device_bytes(state.opt_state) / GIB:.2f} GiB per device{of}: {_REMEDY}")
 
 
-def memory_report(compiled, state, devices) -> MemoryReport:
-    """The report of the train step `compiled` over `state` on `devices`."""
+def memory_report(compiled, state, capacity: int | None) -> MemoryReport:
+    """The report of the train step `compiled` over `state` (arrays or shapes with their shardings) against a
+    device's `capacity` in bytes: what a run prints at its start and what the layout planner ranks by."""
     m = compiled.memory_analysis()
     total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
              + m.generated_code_size_in_bytes)
     return MemoryReport(params=per_device_bytes(state.params), optimizer=per_device_bytes(state.opt_state),
-                        temporaries=m.temp_size_in_bytes, total=total, capacity=capacity(devices))
+                        temporaries=m.temp_size_in_bytes, total=total, capacity=capacity)
