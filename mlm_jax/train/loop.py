@@ -347,6 +347,11 @@ class Trainer:
         """This process's devices of the mesh (the only ones whose memory it can ask about)."""
         return [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
 
+    @property
+    def abstract_state(self) -> TrainState:
+        """The train state's shapes and shardings (what the step is compiled from)."""
+        return self._abstract
+
     def batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Every field of a step's batch (`loader.keys`) as a shape in the batch's layout."""
         t = self.cfg.train

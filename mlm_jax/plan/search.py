@@ -1,0 +1,142 @@
+"""The search: every split of the devices (`space.splits`), each tried with its settings fastest first until one
+fits, each compiled (`compiled.compile_layout`, or the cache of an earlier call) and priced (`timing.estimate`);
+what validation refuses or what fits nowhere is kept with its one-line reason."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+
+from mlm_jax.config import ConfigError, to_yaml
+from mlm_jax.plan import space
+from mlm_jax.plan.collectives import Collective, Links
+from mlm_jax.plan.compiled import QUIET, Compiled, compile_layout
+from mlm_jax.plan.hardware import GIB, Gpu
+from mlm_jax.plan.timing import Estimate, Table, estimate
+from mlm_jax.train.memory import MemoryReport
+from mlm_jax.validation.config import load_config
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout the planner looked at: its overrides, and either its compiled figures and estimate or why not."""
+
+    split: space.Split
+    setting: space.Setting | None
+    overrides: list[str]
+    compiled: Compiled | None = None
+    estimate: Estimate | None = None
+    reason: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate is not None
+
+    def record(self, cfg, gpu: Gpu, gpus: int) -> dict:
+        """One JSON object: overrides, predicted step time, tokens/s per GPU, MFU, memory, whether it fits, why not."""
+        out = {"layout": self.split.describe(), "setting": self.setting and self.setting.describe(),
+               "overrides": self.overrides, "fits": self.fits, "reason": self.reason}
+        if self.compiled is not None:
+            m = self.compiled.memory
+            out |= {"memory_gib": m.total / GIB, "params_gib": m.params / GIB, "optimizer_gib": m.optimizer / GIB,
+                    "temporaries_gib": m.temporaries / GIB}
+        if self.estimate is not None:
+            e, t = self.estimate, cfg.train
+            tokens = t.global_batch_size * t.seq_len / e.step_time_s
+            out |= {"step_time_s": e.step_time_s, "tokens_per_s_per_gpu": tokens / gpus,
+                    "mfu": self.compiled.flops_per_token * tokens / gpus / gpu.peak_flops, "compute_s": e.compute_s,
+                    "bubble": e.bubble, "exposed_s": e.exposed_s, "calibrated": e.calibrated}
+        return out
+
+
+@functools.cache
+def _source_hash() -> str:
+    """The package's source: a cached compilation is reused only by the code that made it."""
+    h = hashlib.sha256()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+class Cache:
+    """Compiled figures on disk by (config, devices, jax, source): a second plan reads instead of compiling."""
+
+    def __init__(self, directory: str | None):
+        self.directory = directory
+
+    def key(self, cfg, devices) -> str:
+        d = devices[0]
+        text = "\n".join([to_yaml(cfg), d.platform, d.device_kind, str(len(devices)), jax.__version__,
+                          _source_hash()])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def get(self, key: str) -> Compiled | None:
+        path = self.directory and os.path.join(self.directory, key + ".json")
+        if not path or not os.path.exists(path):
+            return None
+        with open(path) as f:
+            raw = json.load(f)
+        return dataclasses.replace(
+            Compiled(**raw), memory=MemoryReport(**raw["memory"]),
+            collectives=tuple((Collective(**{**c, "groups": tuple(map(tuple, c["groups"]))}), tuple(axes))
+                              for c, axes in raw["collectives"]),
+            chunk_layers=raw["chunk_layers"] and tuple(raw["chunk_layers"]))
+
+    def put(self, key: str, compiled: Compiled) -> None:
+        if not self.directory:
+            return
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, key + ".json"), "w") as f:
+            json.dump(dataclasses.asdict(compiled), f)
+
+
+def search(path: str | None, overrides: list[str], devices, gpu: Gpu, links: Links, table: Table, cache: Cache,
+           capacity: int, remats: tuple[str, ...] = space.SETTINGS_ORDER,
+           progress: Callable[[int, int, str], None] = lambda i, n, what: None) -> list[Candidate]:
+    """Every split's best fitting setting, ranked by predicted tokens/s (fitting first), then the rest with why."""
+    base = load_config(path, overrides)
+    n, per_node = len(devices), links.gpus_per_node
+    splits = space.splits(base, n, per_node, space.fixed(overrides))
+    out = []
+    for i, split in enumerate(splits):
+        progress(i, len(splits), split.describe())
+        out.append(_best_setting(path, overrides, split, devices, gpu, links, table, cache, capacity, remats))
+    progress(len(splits), len(splits), "")
+    ranked = sorted((c for c in out if c.fits), key=lambda c: c.estimate.step_time_s)
+    return ranked + [c for c in out if not c.fits]
+
+
+def _best_setting(path, overrides, split, devices, gpu, links, table, cache, capacity, remats) -> Candidate:
+    """The split's first setting (fastest first) that validation accepts and that fits `capacity`."""
+    closest, reason = None, "no micro batch divides the batch"
+    base = load_config(path, [*overrides, *split.overrides, *QUIET])
+    for setting in space.settings(base, split, remats, space.fixed(overrides)):
+        ov = [*split.overrides, *setting.overrides]
+        try:
+            cfg = load_config(path, [*overrides, *ov, *QUIET])
+            key = cache.key(cfg, devices)
+            compiled = cache.get(key)
+            if compiled is None:
+                compiled = compile_layout(cfg, devices, capacity)
+                cache.put(key, compiled)
+        except ConfigError as e:
+            reason = str(e)
+            continue
+        if compiled.memory.total <= capacity:
+            return Candidate(split, setting, ov, compiled, estimate(cfg, compiled, table, gpu, links))
+        if closest is None or compiled.memory.total < closest.compiled.memory.total:
+            closest = Candidate(split, setting, ov, compiled)
+    if closest is None:
+        return Candidate(split, None, split.overrides, reason=reason)
+    over = (closest.compiled.memory.total - capacity) / GIB
+    return dataclasses.replace(closest, reason=f"does not fit by {over:.1f} GiB at best ({closest.setting.describe()}: "
+                                               f"{closest.compiled.memory.describe()})")

@@ -1,0 +1,104 @@
+"""The layout planner on 8 fake CPU devices: the layouts it ranks train, its memory figure is the one a run reports,
+a layout it says does not fit is refused at a run's start, what validation refuses comes back with the reason, and a
+second plan reads its compilations from the cache."""
+import json
+
+import jax
+import pytest
+
+from mlm_jax import Trainer, load_config
+from mlm_jax.config import ConfigError
+from mlm_jax.plan.calibrate import calibrate, pieces
+from mlm_jax.plan.cli import main
+from mlm_jax.plan.collectives import Links
+from mlm_jax.plan.compiled import QUIET, compile_layout
+from mlm_jax.plan.hardware import GIB, gpu
+from mlm_jax.plan.search import Cache, search
+from mlm_jax.plan.timing import Fit, Table, estimate
+from mlm_jax.train import loop
+
+# four splits (data x fsdp over 8 devices), one setting each unless it does not fit
+FIXED = ["parallel.stage=1", "parallel.context=1", "parallel.tensor=1", "train.global_batch_size=8",
+         "train.seq_len=64", "data.max_bytes=2000000"]
+H200 = gpu("h200")
+LINKS = Links(8, H200.nvlink_bandwidth, H200.network_bandwidth, H200.nvlink_latency, H200.network_latency)
+
+
+def plan(tmp_path, capacity: int):
+    return search(None, FIXED, jax.devices(), H200, LINKS, Table("h200"), Cache(str(tmp_path / "cache")), capacity,
+                  ("none",))
+
+
+def run(tmp_path, overrides, name):
+    return Trainer(load_config(None, [*FIXED, *overrides, "train.steps=2", "train.log_every=1",
+                                      "train.eval_every=0", "log.progress=never", "log.tensorboard=false",
+                                      f"train.output_dir={tmp_path / name}"]), devices=jax.devices())
+
+
+def test_the_plan_ranks_layouts_that_train_and_refuses_what_does_not_fit(tmp_path, monkeypatch):
+    roomy = plan(tmp_path, 100 * GIB)
+    assert [c.split.describe() for c in roomy] and all(c.fits for c in roomy)
+    assert {c.split.describe() for c in roomy} == {"da8", "da4 fsdp2", "da2 fsdp4", "fsdp8"}
+    times = [c.estimate.step_time_s for c in roomy]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    for i, c in enumerate(roomy):  # every ranked layout trains, and reports the planner's memory figure
+        trainer = run(tmp_path, c.overrides, f"ranked{i}")
+        records = trainer.fit()
+        assert len(records) == 2 and all(r["loss"] == r["loss"] for r in records)
+        assert trainer.memory.total == c.compiled.memory.total
+
+    # under a cap between the replicated layout and the sharded one, what fits is within it; under a cap below
+    # every layout, each is refused with what it would need, and a run of one of them is refused at its start
+    totals = {c.split.describe(): c.compiled.memory.total for c in roomy}
+    assert totals["fsdp8"] < totals["da8"]
+    between = plan(tmp_path, (totals["fsdp8"] + totals["da8"]) // 2)
+    assert all(c.compiled.memory.total <= (totals["fsdp8"] + totals["da8"]) // 2 for c in between if c.fits)
+    assert any(c.fits for c in between)
+    cap = min(totals.values()) // 4
+    capped = plan(tmp_path, cap)
+    assert not any(c.fits for c in capped)
+    refused = next(c for c in capped if c.split.describe() == "da8")
+    assert refused.reason.startswith("does not fit by ") and refused.compiled.memory.total > cap
+    monkeypatch.setattr(loop, "capacity", lambda devices: cap)  # a device of that size
+    with pytest.raises(ConfigError, match="^the run does not fit: "):
+        run(tmp_path, refused.overrides, "refused").fit()
+
+
+def test_refusals_come_back_with_their_reason_and_bad_input_exits_2(tmp_path, capsys):
+    out = tmp_path / "plan.jsonl"
+    # K/V heads 3 on 2 tensor ranks: validation refuses every split, the JSON says why, and nothing is ranked
+    args = ["--gpus", "8", "--cpu", "--remat", "none", "--json", str(out), "--no-cache", "parallel.stage=1",
+            "parallel.context=1", "parallel.tensor=2", "parallel.fsdp=1", "model.num_heads=6", "model.num_kv_heads=3",
+            "model.hidden_size=96", "train.global_batch_size=8", "train.seq_len=64"]
+    assert main(args) == 1
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records and not any(r["fits"] for r in records)
+    assert all("model.num_kv_heads=3 and parallel.tensor=2" in r["reason"] for r in records)
+    assert "not taken (1):" in capsys.readouterr().out
+    assert main(["--gpus", "8", "--cpu", "--gpu", "h300"]) == 2
+    assert "invalid choice: 'h300'" in capsys.readouterr().err
+    assert main(["--gpus", "8", "--cpu", "model.remat=sometimes"]) == 2
+    assert "model.remat" in capsys.readouterr().err
+
+
+def test_a_calibrated_piece_prices_the_steps_it_was_measured_at(tmp_path):
+    steps = {(2, 1): 0.010, (2, 2): 0.018, (4, 1): 0.016, (4, 2): 0.029}
+    fit = Fit.from_steps((2, 4), steps, (1000, 1600))
+    for (n, M), t in steps.items():  # the four measurements, back from the fit
+        assert fit.a + fit.b * n + (M - 1) * (fit.c + fit.d * n) == pytest.approx(t, rel=1e-12)
+    assert (fit.weights0, fit.weights_per_layer) == (400, 300)
+
+    # a real calibration on one CPU device, then the one-device layout at a measured depth priced from it
+    overrides = ["model.num_layers=2", "train.global_batch_size=4", "train.seq_len=32", "data.max_bytes=2000000"]
+    todo = pieces(None, overrides, [["train.num_microbatches=1"]], 1)
+    table = calibrate(None, overrides, todo, Table("h200"), steps=2, warmup=1, log=lambda *_: None)
+    (key, got), = table.fits.items()
+    assert key == next(iter(todo)) and table.meta["device"] == jax.devices()[0].device_kind
+    assert got.b > 0 and got.weights_per_layer > 0
+    devices = jax.devices()[:1]
+    cfg = load_config(None, [*overrides, *QUIET, "train.num_microbatches=1", "train.output_dir=" + str(tmp_path)])
+    compiled = compile_layout(cfg, devices, None)
+    e = estimate(cfg, compiled, table, H200, LINKS)
+    assert e.calibrated and e.exposed_s == {}
+    # one device holds the weights the calibration measured at this depth: the optimizer's part cancels
+    assert e.step_time_s == pytest.approx(got.a + 2 * got.b, rel=1e-9)
