@@ -11,7 +11,7 @@ from mlm_jax.config import ConfigError
 from mlm_jax.plan.calibrate import calibrate, pieces
 from mlm_jax.plan.cli import main
 from mlm_jax.plan.collectives import Links
-from mlm_jax.plan.compiled import QUIET, compile_layout
+from mlm_jax.plan.compiled import QUIET, compile_layout, probe_depths
 from mlm_jax.plan.hardware import GIB, gpu
 from mlm_jax.plan.search import Cache, search
 from mlm_jax.plan.timing import Fit, Table, estimate
@@ -102,3 +102,14 @@ def test_a_calibrated_piece_prices_the_steps_it_was_measured_at(tmp_path):
     assert e.calibrated and e.exposed_s == {}
     # one device holds the weights the calibration measured at this depth: the optimizer's part cancels
     assert e.step_time_s == pytest.approx(got.a + 2 * got.b, rel=1e-9)
+
+
+def test_a_deep_model_probed_at_two_shallower_depths_matches_its_whole_compilation():
+    overrides = [*FIXED, "parallel.data=2", "parallel.fsdp=4", "model.num_layers=24", *QUIET]
+    cfg = load_config(None, overrides)
+    assert probe_depths(cfg, 1) == (4, 8)
+    probed, whole = (compile_layout(cfg, jax.devices(), None, probe=p) for p in (True, False))
+    assert probed.memory.params == whole.memory.params and probed.memory.optimizer == whole.memory.optimizer
+    assert probed.memory.total == pytest.approx(whole.memory.total, rel=0.05)
+    sent = [sum(c.bytes * c.count for c, _ in x.collectives) for x in (probed, whole)]
+    assert sent[0] == pytest.approx(sent[1], rel=0.05)

@@ -73,10 +73,10 @@ class Cache:
     def __init__(self, directory: str | None):
         self.directory = directory
 
-    def key(self, cfg, devices) -> str:
+    def key(self, cfg, devices, probe: bool) -> str:
         d = devices[0]
         text = "\n".join([to_yaml(cfg), d.platform, d.device_kind, str(len(devices)), jax.__version__,
-                          _source_hash()])
+                          _source_hash(), str(probe)])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def get(self, key: str) -> Compiled | None:
@@ -100,22 +100,24 @@ class Cache:
 
 
 def search(path: str | None, overrides: list[str], devices, gpu: Gpu, links: Links, table: Table, cache: Cache,
-           capacity: int, remats: tuple[str, ...] = space.SETTINGS_ORDER,
+           capacity: int, remats: tuple[str, ...] = space.SETTINGS_ORDER, probe: bool = True,
            progress: Callable[[int, int, str], None] = lambda i, n, what: None) -> list[Candidate]:
-    """Every split's best fitting setting, ranked by predicted tokens/s (fitting first), then the rest with why."""
+    """Every split's best fitting setting, ranked by predicted tokens/s (fitting first), then the rest with why;
+    `probe`: deep models compiled at two shallower depths (`compiled.compile_layout`)."""
     base = load_config(path, overrides)
     n, per_node = len(devices), links.gpus_per_node
     splits = space.splits(base, n, per_node, space.fixed(overrides))
     out = []
     for i, split in enumerate(splits):
         progress(i, len(splits), split.describe())
-        out.append(_best_setting(path, overrides, split, devices, gpu, links, table, cache, capacity, remats))
+        out.append(_best_setting(path, overrides, split, devices, gpu, links, table, cache, capacity, remats,
+                                 probe))
     progress(len(splits), len(splits), "")
     ranked = sorted((c for c in out if c.fits), key=lambda c: c.estimate.step_time_s)
     return ranked + [c for c in out if not c.fits]
 
 
-def _best_setting(path, overrides, split, devices, gpu, links, table, cache, capacity, remats) -> Candidate:
+def _best_setting(path, overrides, split, devices, gpu, links, table, cache, capacity, remats, probe) -> Candidate:
     """The split's first setting (fastest first) that validation accepts and that fits `capacity`."""
     closest, reason = None, "no micro batch divides the batch"
     base = load_config(path, [*overrides, *split.overrides, *QUIET])
@@ -123,10 +125,10 @@ def _best_setting(path, overrides, split, devices, gpu, links, table, cache, cap
         ov = [*split.overrides, *setting.overrides]
         try:
             cfg = load_config(path, [*overrides, *ov, *QUIET])
-            key = cache.key(cfg, devices)
+            key = cache.key(cfg, devices, probe)
             compiled = cache.get(key)
             if compiled is None:
-                compiled = compile_layout(cfg, devices, capacity)
+                compiled = compile_layout(cfg, devices, capacity, probe)
                 cache.put(key, compiled)
         except ConfigError as e:
             reason = str(e)
