@@ -139,6 +139,10 @@ def _best_setting(path, overrides, split, devices, gpu, links, table, cache, cap
             closest = Candidate(split, setting, ov, compiled)
     if closest is None:
         return Candidate(split, None, split.overrides, reason=reason)
-    over = (closest.compiled.memory.total - capacity) / GIB
+    m = closest.compiled.memory
+    over = (m.total - capacity) / GIB
+    why = m.describe() if closest.compiled.whole else (
+        f"parameters {m.params / GIB:.2f} GiB and optimizer state {m.optimizer / GIB:.2f} GiB per device alone, "
+        f"not compiled")
     return dataclasses.replace(closest, reason=f"does not fit by {over:.1f} GiB at best ({closest.setting.describe()}: "
-                                               f"{closest.compiled.memory.describe()})")
+                                               f"{why})")
