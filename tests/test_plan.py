@@ -38,7 +38,7 @@ def run(tmp_path, overrides, name):
 def test_the_plan_ranks_layouts_that_train_and_refuses_what_does_not_fit(tmp_path, monkeypatch):
     roomy = plan(tmp_path, 100 * GIB)
     assert [c.split.describe() for c in roomy] and all(c.fits for c in roomy)
-    assert {c.split.describe() for c in roomy} == {"da8", "da4 fsdp2", "da2 fsdp4", "fsdp8"}
+    assert {c.split.describe() for c in roomy} == {"data8", "data4 fsdp2", "data2 fsdp4", "fsdp8"}
     times = [c.estimate.step_time_s for c in roomy]
     assert times == sorted(times) and all(t > 0 for t in times)
     for i, c in enumerate(roomy):  # every ranked layout trains, and reports the planner's memory figure
@@ -50,14 +50,14 @@ def test_the_plan_ranks_layouts_that_train_and_refuses_what_does_not_fit(tmp_pat
     # under a cap between the replicated layout and the sharded one, what fits is within it; under a cap below
     # every layout, each is refused with what it would need, and a run of one of them is refused at its start
     totals = {c.split.describe(): c.compiled.memory.total for c in roomy}
-    assert totals["fsdp8"] < totals["da8"]
-    between = plan(tmp_path, (totals["fsdp8"] + totals["da8"]) // 2)
-    assert all(c.compiled.memory.total <= (totals["fsdp8"] + totals["da8"]) // 2 for c in between if c.fits)
+    assert totals["fsdp8"] < totals["data8"]
+    between = plan(tmp_path, (totals["fsdp8"] + totals["data8"]) // 2)
+    assert all(c.compiled.memory.total <= (totals["fsdp8"] + totals["data8"]) // 2 for c in between if c.fits)
     assert any(c.fits for c in between)
     cap = min(totals.values()) // 4
     capped = plan(tmp_path, cap)
     assert not any(c.fits for c in capped)
-    refused = next(c for c in capped if c.split.describe() == "da8")
+    refused = next(c for c in capped if c.split.describe() == "data8")
     assert refused.reason.startswith("does not fit by ") and refused.compiled.memory.total > cap
     monkeypatch.setattr(loop, "capacity", lambda devices: cap)  # a device of that size
     with pytest.raises(ConfigError, match="^the run does not fit: "):

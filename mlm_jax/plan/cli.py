@@ -50,7 +50,7 @@ def parser(calibrating: bool) -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="layouts to print (the rejected ones follow)")
     p.add_argument("--json", metavar="FILE", help="one object per candidate")
     p.add_argument("--write", metavar="FILE.yaml", help="the best layout's whole config")
-    p.add_argument("--remat", nargs="+", choices=space.SETTINGS_ORDER, default=list(space.SETTINGS_ORDER),
+    p.add_argument("--remat", nargs="+", choices=space.REMATS, default=list(space.REMATS),
                    help="recompute settings to try, fastest first")
     p.add_argument("--capacity-gib", type=float, help="memory a run may use per GPU (default: the GPU's, as a run "
                                                       "sees it)")
@@ -71,20 +71,20 @@ def _progress(i: int, n: int, what: str) -> None:
 
 
 def table_text(ranked: list[Candidate], top: int, cfg, g, gpus: int, on_gpu: bool) -> str:
-    rows = [(f"{'#':>3}  {'layout':<28} {'setting':<26} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB/GPU':>8} "
+    rows = [(f"{'#':>3}  {'layout':<34} {'setting':<26} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB/GPU':>8} "
              f"{'bubble':>7}  exposed communication")]
     fits = [c for c in ranked if c.fits]
     for i, c in enumerate(fits[:top], 1):
         r = c.record(cfg, g, gpus)
         exposed = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["exposed_s"].items()) or "-"
         mark = "" if r["calibrated"] else " *"
-        rows.append(f"{i:>3}  {r['layout']:<28} {r['setting']:<26} {r['tokens_per_s_per_gpu']:>10,.0f} "
+        rows.append(f"{i:>3}  {r['layout']:<34} {r['setting']:<26} {r['tokens_per_s_per_gpu']:>10,.0f} "
                     f"{r['mfu']:>6.1%} {r['step_time_s']:>8.3f} {r['memory_gib']:>8.1f} {r['bubble']:>7.1%}  "
                     f"{exposed}{mark}")
     rejected = [c for c in ranked if not c.fits]
     if rejected:
         rows.append(f"not taken ({len(rejected)}):")
-        rows += [f"     {c.split.describe():<28} {c.reason}" for c in rejected]
+        rows += [f"     {c.split.describe():<34} {c.reason}" for c in rejected]
     if any(not c.estimate.calibrated for c in fits[:top]):
         rows.append(f"* uncalibrated: FLOPs at 50% of the peak; `python -m mlm_jax.plan calibrate` on one {g.name} "
                     f"measures its pieces")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from mlm_jax.config import Config
 
-SETTINGS_ORDER = ("none", "dots", "full")  # model.remat: more recompute, less memory, more time
+REMATS = ("none", "dots", "full")  # model.remat in the order tried: more recompute, less memory, more time
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Split:
 
     def describe(self) -> str:
         d = dict(self.degrees)
-        text = " ".join(f"{a[:2] if a != 'fsdp' else 'fsdp'}{n}" for a, n in self.degrees if n > 1) or "1 GPU"
+        text = " ".join(f"{a}{n}" for a, n in self.degrees if n > 1) or "1 GPU"
         if d.get("stage", 1) > 1:
             text += f" {self.schedule} V{self.virtual}"
         return text + (" SP" if self.sequence_parallel else "")
@@ -113,7 +113,7 @@ def splits(cfg: Config, gpus: int, gpus_per_node: int, keep: dict[str, str] | No
     return [s for s in out if all(str(s.value(k)).lower() == want.lower() for k, want in keep.items())]
 
 
-def settings(cfg: Config, split: Split, remats: tuple[str, ...] = SETTINGS_ORDER,
+def settings(cfg: Config, split: Split, remats: tuple[str, ...] = REMATS,
              keep: dict[str, str] | None = None) -> list[Setting]:
     """A split's settings, fastest first: the largest micro batch the batch allows (pipelines: at least one
     microbatch per stage), no recompute before some, the loss in one piece before chunks; ZeRO-1 where the weights
