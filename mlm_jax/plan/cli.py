@@ -57,8 +57,8 @@ def parser(calibrating: bool) -> argparse.ArgumentParser:
     p.add_argument("--nvlink-gbps", type=float, help="GB/s per GPU in one direction inside a node")
     p.add_argument("--network-gbps", type=float, help="GB/s per GPU in one direction across nodes")
     p.add_argument("--cpu", action="store_true", help="compile for CPU devices even where the CUDA plugin is installed")
-    p.add_argument("--exact", action="store_true", help="compile deep models whole (by default at two shallower "
-                                                         "depths, extrapolated: several times faster)")
+    p.add_argument("--probe", action="store_true", help="compile deep models at two shallower depths and "
+                                                         "extrapolate (several times faster, less exact)")
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--tables", default=TABLES, help="where the GPUs' calibration tables are read")
     return p
@@ -103,7 +103,7 @@ def plan(argv) -> int:
     devices = compile_devices(g, args.gpus, args.gpus_per_node, args.cpu)
     links = Links(args.gpus_per_node, g.nvlink_bandwidth, g.network_bandwidth, g.nvlink_latency, g.network_latency)
     ranked = search(args.config, args.overrides, devices, g, links, Table.load(args.gpu, args.tables),
-                    Cache(None if args.no_cache else CACHE), capacity, tuple(args.remat), not args.exact, _progress)
+                    Cache(None if args.no_cache else CACHE), capacity, tuple(args.remat), args.probe, _progress)
     print(f"{cfg.name} on {args.gpus} x {g.name} ({args.gpus_per_node} a node), {capacity / GIB:.1f} GiB a GPU, "
           f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len}")
     print(table_text(ranked, args.top, cfg, g, args.gpus, devices[0].platform == "gpu"))

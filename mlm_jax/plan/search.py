@@ -100,7 +100,7 @@ class Cache:
 
 
 def search(path: str | None, overrides: list[str], devices, gpu: Gpu, links: Links, table: Table, cache: Cache,
-           capacity: int, remats: tuple[str, ...] = space.REMATS, probe: bool = True,
+           capacity: int, remats: tuple[str, ...] = space.REMATS, probe: bool = False,
            progress: Callable[[int, int, str], None] = lambda i, n, what: None) -> list[Candidate]:
     """Every split's best fitting setting, ranked by predicted tokens/s (fitting first), then the rest with why;
     `probe`: deep models compiled at two shallower depths (`compiled.compile_layout`)."""
