@@ -94,7 +94,7 @@ def test_a_calibrated_piece_prices_the_steps_it_was_measured_at(tmp_path):
     table = calibrate(None, overrides, todo, Table("h200"), steps=2, warmup=1, log=lambda *_: None)
     (key, got), = table.fits.items()
     assert key == next(iter(todo)) and table.meta["device"] == jax.devices()[0].device_kind
-    assert got.b > 0 and got.weights_per_layer > 0
+    assert got.weights_per_layer > 0  # (its times are whatever this CPU measured: no sign asserted)
     devices = jax.devices()[:1]
     cfg = load_config(None, [*overrides, *QUIET, "train.num_microbatches=1", "train.output_dir=" + str(tmp_path)])
     compiled = compile_layout(cfg, devices, None)

@@ -7,6 +7,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from mlm_jax.train.metrics import PEAK_FLOPS  # the peaks MFU is reported against
+
 GIB = 2**30
 
 
@@ -46,11 +48,11 @@ class Gpu:
 
 GPUS = {
     # H100 SXM: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s both ways, 400 Gb/s NDR per GPU
-    "h100": Gpu("H100", 85_051_572_224, 989e12, 3.35e12, 450e9, 50e9, 132, (9, 0)),
+    "h100": Gpu("H100", 85_051_572_224, PEAK_FLOPS["H100"], 3.35e12, 450e9, 50e9, 132, (9, 0)),
     # H200 SXM: the H100's compute with 141 GB HBM3e at 4.8 TB/s
-    "h200": Gpu("H200", 150_121_545_728, 989e12, 4.8e12, 450e9, 50e9, 132, (9, 0)),
+    "h200": Gpu("H200", 150_121_545_728, PEAK_FLOPS["H200"], 4.8e12, 450e9, 50e9, 132, (9, 0)),
     # B200: 2.25 PFLOP/s bf16 dense, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s both ways
-    "b200": Gpu("B200", 193_273_528_320, 2250e12, 8e12, 900e9, 50e9, 148, (10, 0)),
+    "b200": Gpu("B200", 193_273_528_320, PEAK_FLOPS["B200"], 8e12, 900e9, 50e9, 148, (10, 0)),
 }
 
 

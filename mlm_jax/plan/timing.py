@@ -26,6 +26,8 @@ import math
 import os
 from dataclasses import dataclass
 
+import jax.numpy as jnp
+
 from mlm_jax.config import Config
 from mlm_jax.parallel.schedule import SCHEDULES
 from mlm_jax.plan.collectives import Links, link_class, seconds
@@ -148,7 +150,7 @@ def estimate(cfg: Config, compiled: Compiled, table: Table, gpu: Gpu, links: Lin
     its FLOPs at `fallback_mfu` of the GPU's peak, marked uncalibrated."""
     d, M = compiled.degrees, compiled.accum_steps
     P, V, L = d["stage"], cfg.parallel.virtual_stages, cfg.model.num_layers
-    local_weights = compiled.memory.params // _itemsize(cfg.model.param_dtype)
+    local_weights = compiled.memory.params // jnp.dtype(cfg.model.param_dtype).itemsize
     fit = table.fits.get(piece(cfg, d, M).key)
     bubble = 0.0
     if fit is None:
@@ -179,7 +181,3 @@ def estimate(cfg: Config, compiled: Compiled, table: Table, gpu: Gpu, links: Lin
     if overlapped > compute:
         exposed["data/fsdp past the compute"] = overlapped - compute
     return Estimate(compute + sum(exposed.values()), compute, bubble, exposed, fit is not None)
-
-
-def _itemsize(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
