@@ -189,9 +189,23 @@ def test_hlo_without_an_entry_computation_is_refused():
     ("[4,2]<=[2,2,2]T(2,1,0)", ((0, 4), (2, 6), (1, 5), (3, 7))),
     ("{{0,1},{2,3}}", ((0, 1), (2, 3))),
     ("{}", ((0, 1, 2, 3, 4, 5, 6, 7),)),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", ROWS),
+    ("mesh['axis_0'=2,'axis_1'=4,'axis_2'=1] {'axis_0'}", COLS),
+    ("mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+    ("mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ("mesh['a'=8] {'a':(2)2}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+    ("mesh['a'=8] {'a':(1)2}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+    ("mesh['a'=2,'b'=4] {'a','b':(2)2}", ((0, 4, 1, 5), (2, 6, 3, 7))),
+    ("mesh['a'=2,'b'=4] {}", tuple((i,) for i in range(8))),
 ])
-def test_replica_groups_read_explicit_iota_and_empty_forms(text, groups):
-    assert replica_groups(text, 8) == groups
+def test_replica_groups_read_explicit_iota_mesh_and_empty_forms(text, groups):
+    assert tuple(sorted(map(sorted, replica_groups(text, 8)))) == tuple(sorted(map(sorted, groups)))
+
+
+def test_a_collective_whose_groups_cannot_be_read_is_refused_rather_than_given_every_device():
+    hlo = GPU_HLO.replace("replica_groups={{0,1},{2,3}}", "replica_groups=grid<2x4>")
+    with pytest.raises(ValueError, match="unreadable replica groups"):
+        collectives(hlo)
 
 
 LINKS = Links(gpus_per_node=4, intra_bandwidth=100e9, inter_bandwidth=25e9, intra_latency=1e-5, inter_latency=1e-4)

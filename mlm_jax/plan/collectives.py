@@ -43,7 +43,9 @@ _CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_co
 _TRIP = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
 _IOTA = re.compile(r"\[([\d,]*)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?")  # [4,2]<=[2,4]T(1,0)
 _EXPLICIT = re.compile(r"\{(?:\s*\{[\d,\s]*\}\s*,?)*\s*\}")  # {{0,1},{2,3}}, {}
-_GROUPS = re.compile(rf"\b(replica_groups|source_target_pairs)=({_IOTA.pattern}|{_EXPLICIT.pattern})")
+# mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b','a':(1)2}: the groups along named axes of a device mesh
+_MESH = re.compile(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^()]*(?:\([^()]*\))?)\))?\s*\{([^}]*)\}")
+_GROUPS = re.compile(rf"\b(replica_groups|source_target_pairs)=({_MESH.pattern}|{_IOTA.pattern}|{_EXPLICIT.pattern})")
 _MODULE = re.compile(r"^HloModule\b.*", re.MULTILINE)
 _DEVICES = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 
@@ -97,9 +99,11 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
 
 def replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
     """The device groups of an HLO `replica_groups` (or `source_target_pairs`) value: `{{0,1},{2,3}}`, the iota form
-    `[4,2]<=[2,4]T(1,0)` (ids 0.. reshaped to the dims after `<=`, transposed, reshaped to the leading dims), or `{}`
-    (all `num_devices` in one group)."""
+    `[4,2]<=[2,4]T(1,0)` (ids 0.. reshaped to the dims after `<=`, transposed, reshaped to the leading dims), the mesh
+    form `mesh['x'=2,'y'=4] {'y'}` (`_mesh_groups`), or `{}` (all `num_devices` in one group)."""
     text = text.strip()
+    if m := _MESH.fullmatch(text):
+        return _mesh_groups(m[1], m[2], m[3])
     if m := _IOTA.fullmatch(text):
         shape, dims, perm = ([int(v) for v in g.split(",") if v] for g in (m[1], m[2], m[3] or ""))
         ids = np.arange(math.prod(dims)).reshape(dims).transpose(perm or range(len(dims))).reshape(shape)
@@ -110,6 +114,41 @@ def replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
     if not inner:
         return (tuple(range(num_devices)),)
     return tuple(tuple(int(d) for d in group.split(",") if d.strip()) for group in inner)
+
+
+def _mesh_groups(axes: str, device_ids: str | None, grouped: str) -> tuple[tuple[int, ...], ...]:
+    """The groups of XLA's mesh form: devices laid out as the mesh (ids 0.. in order, or `device_ids`, an iota
+    `[dims]T(perm)` or a list), each group the devices that differ only along the named axes; `'a':(p)s` names the
+    part of size s of axis a that follows its major part of size p."""
+    names, sizes = zip(*((n.strip().strip("'"), int(v)) for n, _, v in (a.rpartition("=") for a in axes.split(","))))
+    total = math.prod(sizes)
+    if not device_ids:
+        ids = np.arange(total)
+    elif m := re.fullmatch(r"\[([\d,]*)\](?:T\(([\d,]*)\))?", device_ids.strip()):
+        dims, perm = ([int(v) for v in g.split(",") if v] for g in (m[1], m[2] or ""))
+        ids = np.arange(total).reshape(dims).transpose(perm or range(len(dims)))
+    else:
+        ids = np.array([int(v) for v in re.findall(r"\d+", device_ids)])
+    refs: dict[int, list[tuple[int, int]]] = {}  # mesh axis -> its grouped (pre, size) parts
+    for ref in filter(None, (r.strip() for r in grouped.split(","))):
+        name, _, sub = ref.partition(":")
+        axis = names.index(name.strip("'"))
+        m = re.fullmatch(r"\((\d+)\)(\d+)", sub) if sub else None
+        refs.setdefault(axis, []).append((int(m[1]), int(m[2])) if m else (1, sizes[axis]))
+    dims, keep = [], []  # the mesh with each grouped axis split into its parts; which dims are grouped
+    for axis, size in enumerate(sizes):
+        done = 1
+        for pre, part in sorted(refs.get(axis, [])):
+            if pre > done:
+                dims.append(pre // done)
+            keep.append(len(dims))
+            dims.append(part)
+            done = pre * part
+        if done < size or axis not in refs:
+            dims.append(size // done)
+    order = [i for i in range(len(dims)) if i not in keep] + keep  # the grouped dims last, each row a group
+    flat = ids.reshape(dims).transpose(order).reshape(-1, math.prod(dims[i] for i in keep))
+    return tuple(tuple(int(d) for d in row) for row in flat)
 
 
 def crosses_nodes(group, gpus_per_node: int) -> bool:
@@ -233,6 +272,8 @@ def _collective(opcode, shape, line, num_devices, count, known, computation) -> 
     if opcode in _RESULT_SECOND:
         shape = _tuple_elements(shape)[1]
     found = {m[1]: m[2] for m in _GROUPS.finditer(_QUOTED.sub("", line))}
+    if "replica_groups=" in line and "replica_groups" not in found:  # never guess a group: it sets the link
+        raise ValueError(f"unreadable replica groups in {line[:300]!r}")
     if kind == "collective-permute":
         groups = replica_groups(found.get("source_target_pairs", "{{}}"), num_devices)
         groups = tuple(g for g in groups if g)

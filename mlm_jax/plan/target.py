@@ -1,8 +1,10 @@
-"""The devices a layout is compiled for: N GPUs of one kind described to XLA (`jax.experimental.topologies`, no
-GPU attached; needs the CUDA plugin, `pip install -e '.[gpu]'`, which installs on a machine without a GPU too), so
-that the program, its fusions, kernels (cuDNN attention included) and buffers are the GPU's; or, where the plugin is
-missing, N CPU devices, whose program differs (XLA's attention for cuDNN's, other fusions) and whose figures the
-planner marks as such."""
+"""The devices a layout is compiled for: this machine's own GPUs where it has N of the kind planned for; else N GPUs
+of that kind described to XLA (`jax.experimental.topologies`, no GPU attached; needs the CUDA plugin,
+`pip install -e '.[gpu]'`, which installs on a machine without a GPU too), so that the program, its fusions, kernels
+(cuDNN attention included) and buffers are the GPU's (a few kernels check the GPU they run on and compile only with
+one: cuDNN attention over heads wider than 128, Mosaic GPU's grouped matmul); or, where the plugin is missing, N CPU
+devices, whose program differs (XLA's attention for cuDNN's, other fusions) and whose figures the planner marks as
+such."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +24,11 @@ def gpu_target_available() -> bool:
 
 
 def compile_devices(gpu: Gpu, count: int, gpus_per_node: int, cpu: bool = False) -> list:
-    """`count` devices to compile for: `gpu`s in nodes of `gpus_per_node` (the CUDA plugin's deviceless target), or,
-    with `cpu` or without the plugin, the first `count` CPU devices."""
+    """`count` devices to compile for: this process's GPUs of that kind if it has `count`, else `gpu`s in nodes of
+    `gpus_per_node` (the CUDA plugin's deviceless target), or, with `cpu` or without the plugin, the first `count`
+    CPU devices."""
+    if not cpu and len(local := _local_gpus(gpu)) >= count:
+        return local[:count]
     if not cpu and gpu_target_available():
         nodes = max(1, count // gpus_per_node)
         topology = f"1x{nodes}x{count // nodes}"
@@ -35,3 +40,12 @@ def compile_devices(gpu: Gpu, count: int, gpus_per_node: int, cpu: bool = False)
                           f"`python -m mlm_jax.plan`, which makes one per GPU, or install the CUDA plugin "
                           f"(pip install -e '.[gpu]') to compile for the GPUs themselves")
     return cpus[:count]
+
+
+def _local_gpus(gpu: Gpu) -> list:
+    """This process's GPUs of `gpu`'s kind (none where its backend is absent or not started)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return []
+    return [d for d in devices if gpu.name.lower() in d.device_kind.lower()]

@@ -13,10 +13,12 @@ Pipelines. A stage runs its chunks' layers; the schedule simulator (`parallel.sc
 chunk's forward a third of its microbatch cost and the backward two thirds, the head on the last chunk, so the
 bubble is the simulator's for that schedule, V, M and the chunk sizes.
 
-Communication (the overlap the program has, in one place). Collectives over the data and fsdp axes are XLA's async
-gathers and reduce-scatters, scheduled beside the layers' compute: they cost only what exceeds the compute. Those
-over tensor, context and expert sit on the layer's critical path and cost in full, as do the stages'
-collective-permutes. Each is priced by `collectives.seconds` on the link its groups use.
+Communication (the overlap the program has, in one place). A collective whose groups span the data or fsdp axis
+moves weights or their gradients (activations are never shared across data-parallel ranks): XLA's async gathers,
+reduce-scatters and all-reduces, scheduled beside the layers' compute, whatever other axes the group spans too (a
+weight sharded over fsdp and tensor); together they cost only what exceeds the compute. Those over tensor, context
+and expert alone sit on the layer's critical path and cost in full, as do the stages' collective-permutes. Each is
+priced by `collectives.seconds` on the link its groups use.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from mlm_jax.plan.collectives import Links, link_class, seconds
 from mlm_jax.plan.compiled import Compiled
 from mlm_jax.plan.hardware import Gpu
 
-OVERLAPPED = frozenset({"data", "fsdp"})  # mesh axes whose collectives XLA overlaps with compute
+OVERLAPPED = frozenset({"data", "fsdp"})  # a collective spanning one of these XLA overlaps with compute
 ADAMW_BYTES = 28  # per weight a step: fp32 weight read and written, two fp32 moments read and written, gradient read
 TABLES = os.path.join(os.path.dirname(__file__), "tables")
 
@@ -47,8 +49,10 @@ def optimizer_seconds(weights: int, gpu: Gpu) -> float:
 def local_model(cfg: Config, degrees: dict[str, int]) -> dict:
     """The model shape one device of the layout computes, as `model.*` values (what calibration trains)."""
     m, t = cfg.model, degrees["tensor"]
-    out = {"hidden_size": m.hidden_size, "num_heads": m.num_heads // t, "num_kv_heads": max(1, m.kv_heads // t),
-           "head_dim": m.dim_per_head, "ffn_size": m.ffn_size // t, "vocab_size": -(-m.vocab_size // t)}
+    out = {"hidden_size": m.hidden_size, "num_heads": m.num_heads // t, "ffn_size": m.ffn_size // t,
+           "vocab_size": -(-m.vocab_size // t)}
+    if not m.mla.enabled:  # latent attention's heads are all query heads, its head dims its own keys
+        out.update({"num_kv_heads": max(1, m.kv_heads // t), "head_dim": m.dim_per_head})
     if m.moe.enabled:
         experts = m.moe.num_experts // degrees["expert"]
         out.update({"moe.num_experts": experts, "moe.top_k": min(m.moe.top_k, experts),
@@ -174,7 +178,7 @@ def estimate(cfg: Config, compiled: Compiled, table: Table, gpu: Gpu, links: Lin
     overlapped = 0.0
     for c, axes in compiled.collectives:
         t = seconds(c, links)
-        if axes and set(axes) <= OVERLAPPED:
+        if OVERLAPPED & set(axes):
             overlapped += t
         else:
             exposed[link_class(c, links)] = exposed.get(link_class(c, links), 0.0) + t
