@@ -10,12 +10,13 @@ from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError
 from mlm_jax.plan.calibrate import calibrate, pieces
 from mlm_jax.plan.cli import main
-from mlm_jax.plan.collectives import Links
-from mlm_jax.plan.compiled import QUIET, compile_layout, probe_depths
+from mlm_jax.plan.collectives import Collective, Links, seconds
+from mlm_jax.plan.compiled import QUIET, Compiled, compile_layout, probe_depths
 from mlm_jax.plan.hardware import GIB, gpu
 from mlm_jax.plan.search import Cache, search
 from mlm_jax.plan.timing import Fit, Table, estimate
 from mlm_jax.train import loop
+from mlm_jax.train.memory import MemoryReport
 
 # four splits (data x fsdp over 8 devices), one setting each unless it does not fit
 FIXED = ["parallel.stage=1", "parallel.context=1", "parallel.tensor=1", "train.global_batch_size=8",
@@ -113,3 +114,15 @@ def test_a_deep_model_probed_at_two_shallower_depths_matches_its_whole_compilati
     assert probed.memory.total == pytest.approx(whole.memory.total, rel=0.05)
     sent = [sum(c.bytes * c.count for c, _ in x.collectives) for x in (probed, whole)]
     assert sent[0] == pytest.approx(sent[1], rel=0.05)
+
+
+def test_every_collective_adds_its_time_those_beside_compute_shown_apart():
+    cfg = load_config(None, [*FIXED, "parallel.data=2", "parallel.fsdp=4", *QUIET])
+    degrees = {"stage": 1, "data": 2, "fsdp": 4, "context": 1, "expert": 1, "tensor": 1}
+    beside = Collective("all-gather", 2**24, 4, ((0, 1, 2, 3), (4, 5, 6, 7)), 3, "body", overlapped=True)
+    waits = Collective("all-reduce", 2**20, 8, (tuple(range(8)),), 1, "main")
+    compiled = Compiled(degrees, 1, MemoryReport(2**20, 2**21, 2**22, 2**23, None),
+                        ((beside, ("fsdp",)), (waits, ("data", "fsdp"))), 1e9, 10**6, None)
+    e = estimate(cfg, compiled, Table("h200"), H200, LINKS)
+    assert e.exposed_s == {"intra-node beside compute": seconds(beside, LINKS), "intra-node": seconds(waits, LINKS)}
+    assert e.step_time_s == pytest.approx(e.compute_s + seconds(beside, LINKS) + seconds(waits, LINKS), rel=1e-12)

@@ -235,3 +235,47 @@ def test_summary_groups_runs_bytes_and_seconds_by_kind_and_link_class():
     assert (intra["runs"], intra["bytes"], intra["sent_bytes"]) == (3, 2500, pytest.approx(1.5 * 2500))
     assert intra["seconds"] == pytest.approx(seconds(cs[0], LINKS) + seconds(cs[1], LINKS))
     assert table["all-reduce", INTER]["seconds"] == pytest.approx(seconds(cs[2], LINKS))
+
+
+SCHEDULED_HLO = """HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%fused (x: f32[8,64]) -> f32[8,64] {
+  %x = f32[8,64]{1,0} parameter(0)
+  ROOT %n = f32[8,64]{1,0} negate(%x)
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%rs_computation (p: f32[8,64]) -> f32[2,64] {
+  %p = f32[8,64]{1,0} parameter(0)
+  ROOT %rs = f32[2,64]{1,0} reduce-scatter(%p), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (p0: bf16[8,128], p1: f32[8,64]) -> f32[8,64] {
+  %p0 = bf16[8,128]{1,0} parameter(0)
+  %p1 = f32[8,64]{1,0} parameter(1)
+  %ag-start = (bf16[8,128]{1,0}, bf16[8,512]{1,0}) all-gather-start(%p0), channel_id=1, replica_groups=[2,4]<=[8], \
+dimensions={1}
+  %ag-start.1 = (bf16[8,128]{1,0}, bf16[8,512]{1,0}) all-gather-start(%p0), channel_id=2, replica_groups=[2,4]<=[8], \
+dimensions={1}
+  %ag-done.1 = bf16[8,512]{1,0} all-gather-done(%ag-start.1)
+  %rs-start = ((f32[8,64]{1,0}), f32[2,64]{1,0}) async-start(%p1), calls=%rs_computation
+  %f = f32[8,64]{1,0} fusion(%p1), kind=kLoop, calls=%fused
+  %rs-done = f32[2,64]{1,0} async-done(%rs-start), calls=%rs_computation
+  %ag-done = bf16[8,512]{1,0} all-gather-done(%ag-start)
+  ROOT %out = f32[8,64]{1,0} add(%f, %f)
+}
+"""
+
+
+def test_a_collective_is_overlapped_where_the_schedule_computes_between_its_start_and_done():
+    found = collectives(SCHEDULED_HLO)
+    gathers = [c for c in found if c.kind == "all-gather"]
+    assert [c.overlapped for c in gathers] == [True, False]  # the fusion runs before %ag-done, not %ag-done.1
+    (rs,) = (c for c in found if c.kind == "reduce-scatter")  # inside the async computation the fusion waits on
+    assert rs.overlapped and rs.computation == "rs_computation"
+    assert not any(c.overlapped for c in collectives(GPU_HLO))  # each done right after its start

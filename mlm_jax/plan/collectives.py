@@ -33,7 +33,10 @@ _KINDS = {"all-gather": "all-gather", "all-gather-start": "all-gather", "reduce-
 _RESULT_SECOND = {"all-gather-start", "collective-permute-start"}
 
 _HEADER = re.compile(r"(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{$")
-_NAME = re.compile(r"(?:ROOT\s+)?%?[\w.\-]+\s*=\s*")
+_NAME = re.compile(r"(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+# opcodes that run work on the GPU while an asynchronous collective is in flight
+_COMPUTE = frozenset({"fusion", "custom-call", "dot", "convolution", "while", "call", "conditional", "reduce",
+                      "scatter", "gather", "sort", "reduce-window", "select-and-scatter"})
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -63,6 +66,7 @@ class Collective:
     count: int
     computation: str
     count_known: bool = True  # False inside a loop whose trip count XLA did not know (counted once)
+    overlapped: bool = False  # asynchronous, with compute scheduled between its start and its done
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,15 +90,32 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         module = _MODULE.search(hlo_text)
         header = dict(_DEVICES.findall(module[0])) if module else {}
         num_devices = int(header.get("num_partitions", 1)) * int(header.get("replica_count", 1))
+    in_async = {callee: _hides(lines, i) for lines in bodies.values() for i, (opcode, _, line) in enumerate(lines)
+                if opcode == "async-start" for attr, value in _CALLS.findall(_QUOTED.sub("", line)) if attr == "calls"
+                for callee in re.findall(r"[\w.\-]+", value.replace("%", ""))}
     found = []
     for name, lines in bodies.items():
         if name not in counts:
             continue  # not reachable from the entry: never runs
-        for opcode, shape, line in lines:
+        for i, (opcode, shape, line) in enumerate(lines):
             if opcode in _KINDS:
                 count, known = counts[name]
-                found.append(_collective(opcode, shape, line, num_devices, count, known, name))
+                hidden = _hides(lines, i) if opcode.endswith("-start") else in_async.get(name, False)
+                found.append(_collective(opcode, shape, line, num_devices, count, known, name, hidden))
     return found
+
+
+def _hides(lines, start: int) -> bool:
+    """Whether the program (scheduled: its text order is its run order) computes between the asynchronous start at
+    `lines[start]` and its done: the overlap XLA's scheduler gave the collective."""
+    name = _NAME.match(lines[start][2])[1]
+    operand = re.compile(rf"%{re.escape(name)}(?![\w.\-])")
+    computed = False
+    for opcode, _, line in lines[start + 1:]:
+        if opcode.endswith("-done") and operand.search(line.partition("(")[2]):
+            return computed
+        computed = computed or opcode in _COMPUTE
+    return False
 
 
 def replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
@@ -266,7 +287,7 @@ def _callees(lines):
                 yield callee, times
 
 
-def _collective(opcode, shape, line, num_devices, count, known, computation) -> Collective:
+def _collective(opcode, shape, line, num_devices, count, known, computation, overlapped) -> Collective:
     """The collective of one instruction line, whose opcode and result shape are read already."""
     kind = _KINDS[opcode]
     if opcode in _RESULT_SECOND:
@@ -282,7 +303,7 @@ def _collective(opcode, shape, line, num_devices, count, known, computation) -> 
         groups = replica_groups(found.get("replica_groups", "{}"), num_devices)
         group_size = max(len(g) for g in groups)
     size = _shape_bytes(shape) * (group_size if kind == "reduce-scatter" else 1)
-    return Collective(kind, size, group_size, groups, count, computation, known)
+    return Collective(kind, size, group_size, groups, count, computation, known, overlapped)
 
 
 def _tuple_elements(shape: str) -> list[str]:

@@ -13,12 +13,13 @@ Pipelines. A stage runs its chunks' layers; the schedule simulator (`parallel.sc
 chunk's forward a third of its microbatch cost and the backward two thirds, the head on the last chunk, so the
 bubble is the simulator's for that schedule, V, M and the chunk sizes.
 
-Communication (the overlap the program has, in one place). A collective whose groups span the data or fsdp axis
-moves weights or their gradients (activations are never shared across data-parallel ranks): XLA's async gathers,
-reduce-scatters and all-reduces, scheduled beside the layers' compute, whatever other axes the group spans too (a
-weight sharded over fsdp and tensor); together they cost only what exceeds the compute. Those over tensor, context
-and expert alone sit on the layer's critical path and cost in full, as do the stages' collective-permutes. Each is
-priced by `collectives.seconds` on the link its groups use.
+Communication (the overlap, in one place). Every collective costs its time on the link its groups use
+(`collectives.seconds`), added to the compute, including those XLA's schedule runs beside compute (asynchronous,
+with compute placed between start and done: `Collective.overlapped`, shown apart as "... beside compute"). Measured
+on two H200s (benchmarks/results.jsonl, 2026-11-30), data- and fsdp-parallel llama-1b and llama3-8b steps exceeded
+their one-GPU compute by at least their collectives' time although the schedule puts those beside the layers: the
+collective kernels take SMs and memory bandwidth from the compute they run beside. Counting them as hidden
+predicted those steps 6-11% fast, counting them in full 4-5% (docs/planner.md).
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ from mlm_jax.plan.collectives import Links, link_class, seconds
 from mlm_jax.plan.compiled import Compiled
 from mlm_jax.plan.hardware import Gpu
 
-OVERLAPPED = frozenset({"data", "fsdp"})  # a collective spanning one of these XLA overlaps with compute
 ADAMW_BYTES = 28  # per weight a step: fp32 weight read and written, two fp32 moments read and written, gradient read
 TABLES = os.path.join(os.path.dirname(__file__), "tables")
 
@@ -175,13 +175,7 @@ def estimate(cfg: Config, compiled: Compiled, table: Table, gpu: Gpu, links: Lin
             work = M * (fit.c + fit.d * L)
         compute = fixed + work
     exposed: dict[str, float] = {}
-    overlapped = 0.0
-    for c, axes in compiled.collectives:
-        t = seconds(c, links)
-        if OVERLAPPED & set(axes):
-            overlapped += t
-        else:
-            exposed[link_class(c, links)] = exposed.get(link_class(c, links), 0.0) + t
-    if overlapped > compute:
-        exposed["data/fsdp past the compute"] = overlapped - compute
+    for c, _ in compiled.collectives:
+        key = link_class(c, links) + (" beside compute" if c.overlapped else "")
+        exposed[key] = exposed.get(key, 0.0) + seconds(c, links)
     return Estimate(compute + sum(exposed.values()), compute, bubble, exposed, fit is not None)
