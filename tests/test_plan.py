@@ -14,6 +14,7 @@ from mlm_jax.plan.collectives import Collective, Links, seconds
 from mlm_jax.plan.compiled import QUIET, Compiled, compile_layout, probe_depths
 from mlm_jax.plan.hardware import GIB, gpu
 from mlm_jax.plan.search import Cache, search
+from mlm_jax.plan.target import Target
 from mlm_jax.plan.timing import Fit, Table, estimate
 from mlm_jax.train import loop
 from mlm_jax.train.memory import MemoryReport
@@ -25,9 +26,9 @@ H200 = gpu("h200")
 LINKS = Links(8, H200.nvlink_bandwidth, H200.network_bandwidth, H200.nvlink_latency, H200.network_latency)
 
 
-def plan(tmp_path, capacity: int):
-    return search(None, FIXED, jax.devices(), H200, LINKS, Table("h200"), Cache(str(tmp_path / "cache")), capacity,
-                  ("none",))
+def plan(tmp_path, capacity: int, jobs: int = 1, cache: str = "cache"):
+    return search(None, FIXED, Target(H200, 8, cpu=True), LINKS, Table("h200"), Cache(str(tmp_path / cache)),
+                  capacity, ("none",), jobs=jobs)
 
 
 def run(tmp_path, overrides, name):
@@ -47,6 +48,11 @@ def test_the_plan_ranks_layouts_that_train_and_refuses_what_does_not_fit(tmp_pat
         records = trainer.fit()
         assert len(records) == 2 and all(r["loss"] == r["loss"] for r in records)
         assert trainer.memory.total == c.compiled.memory.total
+
+    # two processes compiling the splits at once (a cache of their own) rank the same layouts with the same figures
+    parallel = plan(tmp_path, 100 * GIB, jobs=2, cache="cache2")
+    assert [(c.overrides, c.compiled, c.estimate) for c in parallel] == [(c.overrides, c.compiled, c.estimate)
+                                                                         for c in roomy]
 
     # under a cap between the replicated layout and the sharded one, what fits is within it; under a cap below
     # every layout, each is refused with what it would need, and a run of one of them is refused at its start

@@ -15,7 +15,7 @@ from mlm_jax.plan.calibrate import calibrate, layouts_from, pieces
 from mlm_jax.plan.collectives import Links
 from mlm_jax.plan.hardware import GIB, GPUS, gpu
 from mlm_jax.plan.search import Cache, Candidate, search
-from mlm_jax.plan.target import compile_devices
+from mlm_jax.plan.target import Target
 from mlm_jax.plan.timing import TABLES, Table
 from mlm_jax.validation.config import load_config
 
@@ -59,6 +59,8 @@ def parser(calibrating: bool) -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="compile for CPU devices even where the CUDA plugin is installed")
     p.add_argument("--probe", action="store_true", help="compile deep models at two shallower depths and "
                                                          "extrapolate (several times faster, less exact)")
+    p.add_argument("--jobs", type=int, default=1, help="processes compiling candidates at once (each takes a core or "
+                                                        "more and the memory of its compilations)")
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--tables", default=TABLES, help="where the GPUs' calibration tables are read")
     return p
@@ -100,10 +102,14 @@ def plan(argv) -> int:
     g = gpu(args.gpu, nvlink_bandwidth=args.nvlink_gbps and args.nvlink_gbps * 1e9,
             network_bandwidth=args.network_gbps and args.network_gbps * 1e9)
     capacity = int(args.capacity_gib * GIB) if args.capacity_gib else g.capacity
-    devices = compile_devices(g, args.gpus, args.gpus_per_node, args.cpu)
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs {args.jobs}: at least 1")
+    target = Target(g, args.gpus, args.gpus_per_node, args.cpu)
+    devices = target.devices()
     links = Links(args.gpus_per_node, g.nvlink_bandwidth, g.network_bandwidth, g.nvlink_latency, g.network_latency)
-    ranked = search(args.config, args.overrides, devices, g, links, Table.load(args.gpu, args.tables),
-                    Cache(None if args.no_cache else CACHE), capacity, tuple(args.remat), args.probe, _progress)
+    ranked = search(args.config, args.overrides, target, links, Table.load(args.gpu, args.tables),
+                    Cache(None if args.no_cache else CACHE), capacity, tuple(args.remat), args.probe, args.jobs,
+                    _progress)
     print(f"{cfg.name} on {args.gpus} x {g.name} ({args.gpus_per_node} a node), {capacity / GIB:.1f} GiB a GPU, "
           f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len}")
     print(table_text(ranked, args.top, cfg, g, args.gpus, devices[0].platform == "gpu"))

@@ -1,14 +1,17 @@
 """The search: every split of the devices (`space.splits`), each tried with its settings fastest first until one
 fits, each compiled (`compiled.compile_layout`, or the cache of an earlier call) and priced (`timing.estimate`);
-what validation refuses or what fits nowhere is kept with its one-line reason."""
+what validation refuses or what fits nowhere is kept with its one-line reason. Splits are independent, so `jobs`
+processes can search them at once (compiling is the plan's cost)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
 import json
+import multiprocessing
 import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import jax
@@ -18,6 +21,7 @@ from mlm_jax.plan import space
 from mlm_jax.plan.collectives import Collective, Links
 from mlm_jax.plan.compiled import QUIET, Compiled, compile_layout
 from mlm_jax.plan.hardware import GIB, Gpu
+from mlm_jax.plan.target import Target
 from mlm_jax.plan.timing import Estimate, Table, estimate
 from mlm_jax.train.memory import MemoryReport
 from mlm_jax.validation.config import load_config
@@ -99,26 +103,35 @@ class Cache:
             json.dump(dataclasses.asdict(compiled), f)
 
 
-def search(path: str | None, overrides: list[str], devices, gpu: Gpu, links: Links, table: Table, cache: Cache,
-           capacity: int, remats: tuple[str, ...] = space.REMATS, probe: bool = False,
+def search(path: str | None, overrides: list[str], target: Target, links: Links, table: Table, cache: Cache,
+           capacity: int, remats: tuple[str, ...] = space.REMATS, probe: bool = False, jobs: int = 1,
            progress: Callable[[int, int, str], None] = lambda i, n, what: None) -> list[Candidate]:
     """Every split's best fitting setting, ranked by predicted tokens/s (fitting first), then the rest with why;
-    `probe`: deep models compiled at two shallower depths (`compiled.compile_layout`)."""
+    `probe`: deep models compiled at two shallower depths (`compiled.compile_layout`); `jobs` > 1: that many
+    processes search the splits (each builds the target's devices and compiles on its own)."""
     base = load_config(path, overrides)
-    n, per_node = len(devices), links.gpus_per_node
-    splits = space.splits(base, n, per_node, space.fixed(overrides))
-    out = []
-    for i, split in enumerate(splits):
-        progress(i, len(splits), split.describe())
-        out.append(_best_setting(path, overrides, split, devices, gpu, links, table, cache, capacity, remats,
-                                 probe))
+    splits = space.splits(base, target.count, links.gpus_per_node, space.fixed(overrides))
+    args = (path, overrides, target, links, table, cache, capacity, remats, probe)
+    if jobs <= 1:
+        out = []
+        for i, split in enumerate(splits):
+            progress(i, len(splits), split.describe())
+            out.append(_best_setting(split, *args))
+    else:
+        progress(0, len(splits), f"{jobs} processes")
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_best_setting, split, *args): split for split in splits}
+            for i, done in enumerate(as_completed(futures), 1):
+                progress(i, len(splits), futures[done].describe())
+            out = [f.result() for f in futures]
     progress(len(splits), len(splits), "")
     ranked = sorted((c for c in out if c.fits), key=lambda c: c.estimate.step_time_s)
     return ranked + [c for c in out if not c.fits]
 
 
-def _best_setting(path, overrides, split, devices, gpu, links, table, cache, capacity, remats, probe) -> Candidate:
+def _best_setting(split, path, overrides, target, links, table, cache, capacity, remats, probe) -> Candidate:
     """The split's first setting (fastest first) that validation accepts and that fits `capacity`."""
+    devices = target.devices()
     closest, reason = None, "no micro batch divides the batch"
     base = load_config(path, [*overrides, *split.overrides, *QUIET])
     for setting in space.settings(base, split, remats, space.fixed(overrides)):
@@ -134,7 +147,7 @@ def _best_setting(path, overrides, split, devices, gpu, links, table, cache, cap
             reason = str(e)
             continue
         if compiled.memory.total <= capacity:
-            return Candidate(split, setting, ov, compiled, estimate(cfg, compiled, table, gpu, links))
+            return Candidate(split, setting, ov, compiled, estimate(cfg, compiled, table, target.gpu, links))
         if closest is None or compiled.memory.total < closest.compiled.memory.total:
             closest = Candidate(split, setting, ov, compiled)
     if closest is None:

@@ -7,13 +7,34 @@ devices, whose program differs (XLA's attention for cuDNN's, other fusions) and 
 such."""
 from __future__ import annotations
 
+import functools
 import importlib.util
+from dataclasses import dataclass
 
 import jax
 from jax.experimental import topologies
 
 from mlm_jax.config import ConfigError
 from mlm_jax.plan.hardware import Gpu
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a plan compiles for: `count` GPUs of kind `gpu` in nodes of `gpus_per_node`, or CPU devices with `cpu`;
+    a process builds its devices once (`devices`), so that planning processes can each build their own."""
+
+    gpu: Gpu
+    count: int
+    gpus_per_node: int = 8
+    cpu: bool = False
+
+    def devices(self) -> list:
+        return _devices(self)
+
+
+@functools.cache
+def _devices(target: Target) -> list:
+    return compile_devices(target.gpu, target.count, target.gpus_per_node, target.cpu)
 
 
 def gpu_target_available() -> bool:
