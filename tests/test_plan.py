@@ -86,6 +86,10 @@ def test_refusals_come_back_with_their_reason_and_bad_input_exits_2(tmp_path, ca
     assert "invalid choice: 'h300'" in capsys.readouterr().err
     assert main(["--gpus", "8", "--cpu", "model.remat=sometimes"]) == 2
     assert "model.remat" in capsys.readouterr().err
+    assert main(["--gpus", "8", "--cpu", "--jobs", "0"]) == 2
+    assert "--jobs 0: at least 1" in capsys.readouterr().err
+    assert main(["calibrate", "--gpus", "1", "--layers", "4", "2"]) == 2
+    assert "--layers 4 2: two depths" in capsys.readouterr().err
 
 
 def test_a_calibrated_piece_prices_the_steps_it_was_measured_at(tmp_path):
