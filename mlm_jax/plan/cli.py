@@ -81,7 +81,7 @@ def table_text(ranked: list[Candidate], top: int, cfg, g, gpus: int, on_gpu: boo
     fits = [c for c in ranked if c.fits]
     for i, c in enumerate(fits[:top], 1):
         r = c.record(cfg, g, gpus)
-        exposed = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["exposed_s"].items()) or "-"
+        exposed = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["exposed_s"].items() if v >= 5e-5) or "-"
         mark = "" if r["calibrated"] else " *"
         rows.append(f"{i:>3}  {r['layout']:<34} {r['setting']:<26} {r['tokens_per_s_per_gpu']:>10,.0f} "
                     f"{r['mfu']:>6.1%} {r['step_time_s']:>8.3f} {r['memory_gib']:>8.1f} {r['bubble']:>7.1%}  "
