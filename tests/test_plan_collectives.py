@@ -266,7 +266,7 @@ dimensions={1}
   %rs-start = ((f32[8,64]{1,0}), f32[2,64]{1,0}) async-start(%p1), calls=%rs_computation
   %f = f32[8,64]{1,0} fusion(%p1), kind=kLoop, calls=%fused
   %rs-done = f32[2,64]{1,0} async-done(%rs-start), calls=%rs_computation
-  %ag-done = bf16[8,512]{1,0} all-gather-done(%ag-start)
+  %ag-done = (bf16[8,512]{1,0}) all-gather-done(%ag-start)
   ROOT %out = f32[8,64]{1,0} add(%f, %f)
 }
 """
@@ -275,7 +275,7 @@ dimensions={1}
 def test_a_collective_is_overlapped_where_the_schedule_computes_between_its_start_and_done():
     found = collectives(SCHEDULED_HLO)
     gathers = [c for c in found if c.kind == "all-gather"]
-    assert [c.overlapped for c in gathers] == [True, False]  # the fusion runs before %ag-done, not %ag-done.1
+    assert [c.overlapped for c in gathers] == [True, False]  # the fusion runs before %ag-done (a tuple), not %ag-done.1
     (rs,) = (c for c in found if c.kind == "reduce-scatter")  # inside the async computation the fusion waits on
     assert rs.overlapped and rs.computation == "rs_computation"
     assert not any(c.overlapped for c in collectives(GPU_HLO))  # each done right after its start

@@ -90,8 +90,10 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         module = _MODULE.search(hlo_text)
         header = dict(_DEVICES.findall(module[0])) if module else {}
         num_devices = int(header.get("num_partitions", 1)) * int(header.get("replica_count", 1))
-    in_async = {callee: _hides(lines, i) for lines in bodies.values() for i, (opcode, _, line) in enumerate(lines)
-                if opcode == "async-start" for attr, value in _CALLS.findall(_QUOTED.sub("", line)) if attr == "calls"
+    hidden = {name: _overlaps(lines) for name, lines in bodies.items()}
+    in_async = {callee: hidden[name].get(i, False) for name, lines in bodies.items()
+                for i, (opcode, _, line) in enumerate(lines) if opcode == "async-start"
+                for attr, value in _CALLS.findall(_QUOTED.sub("", line)) if attr == "calls"
                 for callee in re.findall(r"[\w.\-]+", value.replace("%", ""))}
     found = []
     for name, lines in bodies.items():
@@ -100,22 +102,24 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         for i, (opcode, shape, line) in enumerate(lines):
             if opcode in _KINDS:
                 count, known = counts[name]
-                hidden = _hides(lines, i) if opcode.endswith("-start") else in_async.get(name, False)
-                found.append(_collective(opcode, shape, line, num_devices, count, known, name, hidden))
+                overlapped = hidden[name].get(i, False) if opcode.endswith("-start") else in_async.get(name, False)
+                found.append(_collective(opcode, shape, line, num_devices, count, known, name, overlapped))
     return found
 
 
-def _hides(lines, start: int) -> bool:
-    """Whether the program (scheduled: its text order is its run order) computes between the asynchronous start at
-    `lines[start]` and its done: the overlap XLA's scheduler gave the collective."""
-    name = _NAME.match(lines[start][2])[1]
-    operand = re.compile(rf"%{re.escape(name)}(?![\w.\-])")
-    computed = False
-    for opcode, _, line in lines[start + 1:]:
-        if opcode.endswith("-done") and operand.search(line.partition("(")[2]):
-            return computed
-        computed = computed or opcode in _COMPUTE
-    return False
+def _overlaps(lines) -> dict[int, bool]:
+    """{index of each asynchronous start: whether the program computes between it and its done}, in one pass (the
+    program is scheduled: its text order is its run order): the overlap XLA's scheduler gave the collective."""
+    starts, out, last_compute = {}, {}, -1
+    for i, (opcode, _, line) in enumerate(lines):
+        if opcode.endswith("-start"):
+            starts[_NAME.match(line)[1]] = i
+        elif (opcode.endswith("-done") and (m := re.search(rf"\s{opcode}\(%?([\w.\-]+)", line))
+              and (start := starts.pop(m[1], None)) is not None):
+            out[start] = last_compute > start
+        if opcode in _COMPUTE:
+            last_compute = i
+    return out
 
 
 def replica_groups(text: str, num_devices: int) -> tuple[tuple[int, ...], ...]:

@@ -1,14 +1,12 @@
 """One candidate layout compiled for N devices: the trainer's own train step, built from the config with the
 candidate's overrides and compiled from the state's and batch's shapes (nothing is made), read for its memory (the
-same report a run prints at its start) and its collectives, each tagged with the mesh axes its groups span."""
+same report a run prints at its start) and its collectives."""
 from __future__ import annotations
 
 import dataclasses
 import math
 import tempfile
 from dataclasses import dataclass
-
-import numpy as np
 
 from mlm_jax.config import Config
 from mlm_jax.plan.collectives import Collective, collectives
@@ -26,17 +24,11 @@ class Compiled:
     degrees: dict[str, int]
     accum_steps: int
     memory: MemoryReport
-    collectives: tuple[tuple[Collective, tuple[str, ...]], ...]  # each with the mesh axes its groups span
+    collectives: tuple[Collective, ...]
     flops_per_token: float
     num_params: int
     chunk_layers: tuple[int, ...] | None  # layers per pipeline chunk (model order), None without stages
     whole: bool = True  # False: not compiled, the weights and optimizer state alone exceed the capacity
-
-
-def axes_of(group: tuple[int, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes whose coordinate changes within `group` (device positions in the mesh's flat order)."""
-    coords = np.array(np.unravel_index(np.asarray(group), tuple(mesh_shape.values()))).T
-    return tuple(a for i, a in enumerate(mesh_shape) if len(set(coords[:, i])) > 1)
 
 
 def compile_layout(cfg: Config, devices, capacity: int | None, probe: bool = False) -> Compiled:
@@ -82,18 +74,16 @@ def _trainer(cfg: Config, devices) -> Trainer:
 
 
 def _read(trainer: Trainer, capacity: int | None):
-    """(memory report, collectives with the axes they span) of the trainer's compiled step."""
+    """(memory report, collectives) of the trainer's compiled step."""
     compiled = trainer.compile_step()
-    shape = dict(trainer.mesh.shape)
-    found = collectives(compiled.as_text(), num_devices=math.prod(shape.values()))
-    tagged = tuple((c, tuple(sorted({a for g in c.groups for a in axes_of(g, shape)}))) for c in found)
-    return memory_report(compiled, trainer.abstract_state, capacity), tagged
+    found = collectives(compiled.as_text(), num_devices=math.prod(trainer.mesh.shape.values()))
+    return memory_report(compiled, trainer.abstract_state, capacity), tuple(found)
 
 
 def _probed(cfg: Config, devices, capacity, depths: tuple[int, int], resident: tuple[int, int]):
     """The step's memory and collectives at the model's depth L from those at `depths` (l1, l2): the temporaries
     grow by the same amount per layer, and so does each collective's run count (collectives told apart by kind,
-    bytes, groups and axes); the weights and optimizer state are the model's own (`resident`)."""
+    bytes and groups); the weights and optimizer state are the model's own (`resident`)."""
     (l1, l2), L = depths, cfg.model.num_layers
     read = [_read(_trainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n)), devices),
                   capacity) for n in depths]
@@ -105,9 +95,6 @@ def _probed(cfg: Config, devices, capacity, depths: tuple[int, int], resident: t
     memory = MemoryReport(*resident, round(t(m1.temporaries, m2.temporaries)), sum(resident) + extra, capacity)
     counts: dict = {}
     for i, found in enumerate((c1, c2)):
-        for c, axes in found:
-            key = (dataclasses.replace(c, count=1, computation=""), axes)
-            counts.setdefault(key, [0, 0])[i] += c.count
-    tagged = tuple((dataclasses.replace(c, count=max(0, round(t(*n)))), axes) for (c, axes), n in counts.items()
-                   if round(t(*n)) > 0)
-    return memory, tagged
+        for c in found:
+            counts.setdefault(dataclasses.replace(c, count=1, computation=""), [0, 0])[i] += c.count
+    return memory, tuple(dataclasses.replace(c, count=round(t(*n))) for c, n in counts.items() if round(t(*n)) > 0)

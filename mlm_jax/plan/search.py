@@ -91,8 +91,7 @@ class Cache:
             raw = json.load(f)
         return dataclasses.replace(
             Compiled(**raw), memory=MemoryReport(**raw["memory"]),
-            collectives=tuple((Collective(**{**c, "groups": tuple(map(tuple, c["groups"]))}), tuple(axes))
-                              for c, axes in raw["collectives"]),
+            collectives=tuple(Collective(**{**c, "groups": tuple(map(tuple, c["groups"]))}) for c in raw["collectives"]),
             chunk_layers=raw["chunk_layers"] and tuple(raw["chunk_layers"]))
 
     def put(self, key: str, compiled: Compiled) -> None:

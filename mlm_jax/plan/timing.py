@@ -175,7 +175,7 @@ def estimate(cfg: Config, compiled: Compiled, table: Table, gpu: Gpu, links: Lin
             work = M * (fit.c + fit.d * L)
         compute = fixed + work
     exposed: dict[str, float] = {}
-    for c, _ in compiled.collectives:
+    for c in compiled.collectives:
         key = link_class(c, links) + (" beside compute" if c.overlapped else "")
         exposed[key] = exposed.get(key, 0.0) + seconds(c, links)
     return Estimate(compute + sum(exposed.values()), compute, bubble, exposed, fit is not None)
