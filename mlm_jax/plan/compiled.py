@@ -46,10 +46,10 @@ def compile_layout(cfg: Config, devices, capacity: int | None, probe: bool = Fal
         return Compiled(*head, memory, (), full.flops_per_token, full.num_params, chunks, whole=False)
     depths = probe_depths(cfg, full.degrees["stage"]) if probe else None
     if depths is None:
-        memory, tagged = _read(full, capacity)
+        memory, found = _read(full, capacity)
     else:
-        memory, tagged = _probed(cfg, devices, capacity, depths, resident)
-    return Compiled(*head, memory, tagged, full.flops_per_token, full.num_params, chunks)
+        memory, found = _probed(cfg, devices, capacity, depths, resident)
+    return Compiled(*head, memory, found, full.flops_per_token, full.num_params, chunks)
 
 
 def probe_depths(cfg: Config, stages: int) -> tuple[int, int] | None:
