@@ -7,7 +7,8 @@ import pytest
 
 from mlm_jax import load_config
 from mlm_jax.config import Config, ConfigError, to_yaml
-from mlm_jax.validation.plan import check_degrees, plan
+from mlm_jax.ops import grouped_matmul
+from mlm_jax.validation.plan import _check_backend, check_degrees, plan
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -241,3 +242,17 @@ def test_plan_names_the_kernels_chosen_and_why_auto_fell_back():
     capacity = plan(load_config(overrides=["model.moe.num_experts=4", "model.moe.capacity_factor=1.0"]),
                     jax.devices())
     assert capacity.experts.startswith("capacity")
+
+
+def test_hopper_experts_compiled_without_a_gpu_take_the_compile_only_weight_gradient():
+    """A planner without GPUs compiles the Mosaic grouped matmul for described Hoppers, all but its weight gradient,
+    whose kernel needs a GPU in the process (`ops.grouped_matmul`'s `mgpu-compile`)."""
+    cfg = load_config(overrides=["model.moe.num_experts=4", "model.dtype=bfloat16", "model.hidden_size=128",
+                                 "model.moe.expert_ffn_size=256"])
+    degrees = {"data": 1, "fsdp": 1, "stage": 1, "context": 1, "expert": 1, "tensor": 1}
+    here = _check_backend(cfg, degrees, "gpu", "NVIDIA H100", "9.0")[0]
+    described = _check_backend(cfg, degrees, "gpu", "NVIDIA H100", "9.0", gpu_here=False)[0]
+    assert (here.experts, described.experts) == ("mgpu", "mgpu-compile")
+    x_RK, dy_RN = jax.random.normal(jax.random.key(0), (6, 3)), jax.random.normal(jax.random.key(1), (6, 5))
+    w_GKN = grouped_matmul._dense_wgrad(x_RK, dy_RN, jax.numpy.array([2, 4, 0, 0]))
+    assert w_GKN.shape == (4, 3, 5) and jax.numpy.allclose(w_GKN[2], x_RK.T @ dy_RN, rtol=1e-6)

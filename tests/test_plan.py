@@ -124,6 +124,12 @@ def test_a_deep_model_probed_at_two_shallower_depths_matches_its_whole_compilati
     assert probed.memory.total == pytest.approx(whole.memory.total, rel=0.05)
     sent = [sum(c.bytes * c.count for c in x.collectives) for x in (probed, whole)]
     assert sent[0] == pytest.approx(sent[1], rel=0.05)
+    # a probe already over the capacity is not extrapolated: that depth's own figures, and the depth
+    capacity = whole.memory.params + whole.memory.optimizer + 1  # the weights fit, a probe's step does not
+    over = compile_layout(cfg, jax.devices(), capacity, probe=True)
+    assert over.over_at in (4, 8)
+    at = compile_layout(load_config(None, [*overrides, f"model.num_layers={over.over_at}"]), jax.devices(), None)
+    assert capacity < over.memory.total == at.memory.total < whole.memory.total
 
 
 def test_every_collective_adds_its_time_those_beside_compute_shown_apart():

@@ -1,6 +1,12 @@
 """Grouped matmuls of dropless experts (`jax.lax.ragged_dot`'s meaning: each group of rows times its own matrix):
 `jax.lax.ragged_dot`, or on Hopper the Pallas Mosaic-GPU kernels behind a custom VJP.
 
+`mgpu-compile` is for compiling a step for GPUs this process does not have (the layout planner): the Mosaic kernels
+for the product and its input gradient, which lower for a described GPU, and for the weight gradient a dense product
+of the same FLOPs and output, since that kernel sizes its grid from the SM count of a GPU the process must hold. It
+never runs: its weight gradient is not the grouped one. `jax.lax.ragged_dot` is no stand-in there: XLA computes it
+as a dense product over every group, with temporaries of (rows, groups, columns).
+
 Shapes: R rows, G groups, K contracted, N output columns.
 """
 from __future__ import annotations
@@ -11,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("ragged", "mgpu")
+IMPLS = ("ragged", "mgpu")  # `model.moe.impl`'s choices besides auto
 
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (lhs_RK, rhs_GKN, sizes_G) -> out_RN
 _MGPU_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4)
@@ -49,7 +55,7 @@ def grouped_matmul(matmul: GroupedMatmul, matmul_t: GroupedMatmul,
 
 
 @functools.cache
-def _mgpu_matmul(padded: bool) -> GroupedMatmul:
+def _mgpu_matmul(padded: bool, compile_only: bool = False) -> GroupedMatmul:
     """Hopper kernels (Pallas Mosaic GPU); imported here since they load only where Mosaic GPU is built.
 
     Each kernel is jitted so that the layers of an unrolled model share one lowering of it (lowering a Mosaic
@@ -58,10 +64,19 @@ def _mgpu_matmul(padded: bool) -> GroupedMatmul:
     """
     from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
     from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
+    wgrad = _dense_wgrad if compile_only else (
+        lambda x, dy, sizes: transposed_ragged_dot(x, dy, group_sizes=sizes, **_MGPU_BLOCKS))
     return grouped_matmul(
         jax.jit(lambda x, w, sizes: ragged_dot(x, w, group_sizes=sizes, **_MGPU_BLOCKS)),
         jax.jit(lambda dy, w, sizes: ragged_dot(dy, w, group_sizes=sizes, transpose_rhs=True, **_MGPU_BLOCKS)),
-        jax.jit(lambda x, dy, sizes: transposed_ragged_dot(x, dy, group_sizes=sizes, **_MGPU_BLOCKS)), padded)
+        jax.jit(wgrad), padded)
+
+
+def _dense_wgrad(x_RK: jax.Array, dy_RN: jax.Array, sizes_G: jax.Array) -> jax.Array:
+    """`mgpu-compile`'s weight gradient: the grouped one's FLOPs (every row once) and its (G, K, N) output, but one
+    product over all rows, repeated for each group."""
+    kn = jnp.einsum("rk,rn->kn", x_RK, dy_RN, preferred_element_type=jnp.float32).astype(x_RK.dtype)
+    return jnp.broadcast_to(kn, (sizes_G.shape[0], *kn.shape))
 
 
 def mgpu_unavailable(dtype, D: int, F: int, platform: str, device_kind: str) -> str | None:
@@ -84,10 +99,10 @@ def mgpu_unavailable(dtype, D: int, F: int, platform: str, device_kind: str) -> 
 
 
 def matmul_for(impl: str, padded: bool = True) -> GroupedMatmul:
-    """The grouped matmul `impl` names: `ragged` (`jax.lax.ragged_dot`) or `mgpu` (the Mosaic-GPU kernels, which
-    `mlm_jax.validation` chose only where they run). `padded`: some rows belong to no group (see
-    `grouped_matmul`)."""
-    if impl == "mgpu":
-        return _mgpu_matmul(padded)
+    """The grouped matmul `impl` names: `ragged` (`jax.lax.ragged_dot`), `mgpu` (the Mosaic-GPU kernels, which
+    `mlm_jax.validation` chose only where they run) or `mgpu-compile` (see the module). `padded`: some rows belong
+    to no group (see `grouped_matmul`)."""
+    if impl in ("mgpu", "mgpu-compile"):
+        return _mgpu_matmul(padded, impl == "mgpu-compile")
     assert impl == "ragged", impl
     return jax.lax.ragged_dot

@@ -29,6 +29,8 @@ class Compiled:
     num_params: int
     chunk_layers: tuple[int, ...] | None  # layers per pipeline chunk (model order), None without stages
     whole: bool = True  # False: not compiled, the weights and optimizer state alone exceed the capacity
+    # probed (`_probed`) and already over the capacity at this many layers: `memory` is that depth's, not extrapolated
+    over_at: int | None = None
 
 
 def compile_layout(cfg: Config, devices, capacity: int | None, probe: bool = False) -> Compiled:
@@ -45,11 +47,12 @@ def compile_layout(cfg: Config, devices, capacity: int | None, probe: bool = Fal
         memory = MemoryReport(*resident, 0, sum(resident), capacity)
         return Compiled(*head, memory, (), full.flops_per_token, full.num_params, chunks, whole=False)
     depths = probe_depths(cfg, full.degrees["stage"]) if probe else None
+    over_at = None
     if depths is None:
         memory, found = _read(full, capacity)
     else:
-        memory, found = _probed(cfg, devices, capacity, depths, resident)
-    return Compiled(*head, memory, found, full.flops_per_token, full.num_params, chunks)
+        memory, found, over_at = _probed(cfg, devices, capacity, depths, resident)
+    return Compiled(*head, memory, found, full.flops_per_token, full.num_params, chunks, over_at=over_at)
 
 
 def probe_depths(cfg: Config, stages: int) -> tuple[int, int] | None:
@@ -81,12 +84,21 @@ def _read(trainer: Trainer, capacity: int | None):
 
 
 def _probed(cfg: Config, devices, capacity, depths: tuple[int, int], resident: tuple[int, int]):
-    """The step's memory and collectives at the model's depth L from those at `depths` (l1, l2): the temporaries
-    grow by the same amount per layer, and so does each collective's run count (collectives told apart by kind,
-    bytes and groups); the weights and optimizer state are the model's own (`resident`)."""
+    """(memory, collectives, None) at the model's depth L from those at `depths` (l1, l2): the temporaries grow by
+    the same amount per layer, and so does each collective's run count (collectives told apart by kind, bytes and
+    groups); the weights and optimizer state are the model's own (`resident`).
+
+    Where a probe is already over `capacity`, XLA's rematerialization pass has worked to bring it under the GPU's
+    memory, so that memory is not linear in depth there (a Mixtral shape under FSDP extrapolated from 8 and 16 layers
+    to 106 and 208 GiB compiled whole to 311 and 176): the step cannot fit, and the deeper probe's own figures are
+    returned with its depth, (memory, collectives, l2), rather than a shortfall that would mislead."""
     (l1, l2), L = depths, cfg.model.num_layers
-    read = [_read(_trainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n)), devices),
-                  capacity) for n in depths]
+    read = []
+    for n in depths:
+        read.append(_read(_trainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=n)),
+                                   devices), capacity))
+        if capacity is not None and read[-1][0].total > capacity:
+            return *read[-1], n
 
     def t(x1, x2):  # the value at depth L of what is x1 at l1 and x2 at l2
         return x1 + (x2 - x1) * (L - l1) / (l2 - l1)
@@ -97,4 +109,5 @@ def _probed(cfg: Config, devices, capacity, depths: tuple[int, int], resident: t
     for i, found in enumerate((c1, c2)):
         for c in found:
             counts.setdefault(dataclasses.replace(c, count=1, computation=""), [0, 0])[i] += c.count
-    return memory, tuple(dataclasses.replace(c, count=round(t(*n))) for c, n in counts.items() if round(t(*n)) > 0)
+    return memory, tuple(dataclasses.replace(c, count=round(t(*n))) for c, n in counts.items()
+                         if round(t(*n)) > 0), None

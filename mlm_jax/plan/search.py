@@ -147,14 +147,18 @@ def _best_setting(split, path, overrides, target, links, table, cache, capacity,
             continue
         if compiled.memory.total <= capacity:
             return Candidate(split, setting, ov, compiled, estimate(cfg, compiled, table, target.gpu, links))
-        if closest is None or compiled.memory.total < closest.compiled.memory.total:
+        rank = lambda c: (c.over_at is not None, c.memory.total)  # whole figures first
+        if closest is None or rank(compiled) < rank(closest.compiled):
             closest = Candidate(split, setting, ov, compiled)
     if closest is None:
         return Candidate(split, None, split.overrides, reason=reason)
-    m = closest.compiled.memory
-    over = (m.total - capacity) / GIB
-    why = m.describe() if closest.compiled.whole else (
+    m, c = closest.compiled.memory, closest.compiled
+    if c.over_at is not None:
+        return dataclasses.replace(closest, reason=(
+            f"does not fit: over already at {c.over_at} of its {base.model.num_layers} layers at best "
+            f"({closest.setting.describe()}: {m.describe()}; without --probe for the whole model's figure)"))
+    why = m.describe() if c.whole else (
         f"parameters {m.params / GIB:.2f} GiB and optimizer state {m.optimizer / GIB:.2f} GiB per device alone, "
         f"not compiled")
-    return dataclasses.replace(closest, reason=f"does not fit by {over:.1f} GiB at best ({closest.setting.describe()}: "
-                                               f"{why})")
+    return dataclasses.replace(closest, reason=f"does not fit by {(m.total - capacity) / GIB:.1f} GiB at best "
+                                               f"({closest.setting.describe()}: {why})")

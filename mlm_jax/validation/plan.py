@@ -16,6 +16,8 @@ import math
 import os
 from dataclasses import dataclass
 
+import jax
+
 from mlm_jax.config import Config, ConfigError
 from mlm_jax.model import attention
 from mlm_jax.model.kernels import Kernels
@@ -197,9 +199,11 @@ def _packed_segments(cfg: Config, kernel: str, d: dict[str, int], capability: st
 
 
 def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: str,
-                   device_capability: str = "") -> tuple[Kernels, str, str | None]:
+                   device_capability: str = "", gpu_here: bool = True) -> tuple[Kernels, str, str | None]:
     """The kernels this run will use, after checking the chosen ones can run here, and their names for the
-    start-up report (attention, experts)."""
+    start-up report (attention, experts). `gpu_here`: this process has a GPU of its own (without one, GPU devices
+    are described for compilation only, by the layout planner, and the Mosaic grouped matmul's weight gradient is
+    compiled in its stand-in, `ops.grouped_matmul`'s `mgpu-compile`)."""
     m = cfg.model
     dtype = m.dtype
     for key, value in (("attention_impl", m.attention_impl), ("precision", m.precision)):
@@ -235,6 +239,9 @@ def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: s
     if m.moe.impl == "ragged" or reason:
         why = f" (mgpu: {reason})" if m.moe.impl == "auto" else ""
         return kernels, attn, f"dropless, jax.lax.ragged_dot{why}"
+    if not gpu_here:
+        return (dataclasses.replace(kernels, experts="mgpu-compile"), attn,
+                "dropless, mgpu (Pallas Mosaic-GPU grouped GEMM; the weight gradient's stand-in: compiled only)")
     return dataclasses.replace(kernels, experts="mgpu"), attn, "dropless, mgpu (Pallas Mosaic-GPU grouped GEMM)"
 
 
@@ -257,7 +264,8 @@ def plan(cfg: Config, devices) -> Plan:
     degrees, M = check_degrees(cfg, len(devices))
     _check_hosts(cfg, devices)
     kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind,
-                                            getattr(devices[0], "compute_capability", ""))
+                                            getattr(devices[0], "compute_capability", ""),
+                                            gpu_here=jax.default_backend() == "gpu")
     _check_eval_tasks(cfg)
     _check_dashboards(cfg)
     return Plan(degrees, M, kernels, attn, experts)
