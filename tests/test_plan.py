@@ -8,6 +8,8 @@ import pytest
 
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError
+from mlm_jax.plan import search as search_module
+from mlm_jax.plan import space
 from mlm_jax.plan.calibrate import calibrate, pieces
 from mlm_jax.plan.cli import main
 from mlm_jax.plan.collectives import Collective, Links, seconds
@@ -69,6 +71,23 @@ def test_the_plan_ranks_layouts_that_train_and_refuses_what_does_not_fit(tmp_pat
     monkeypatch.setattr(loop, "capacity", lambda devices: cap)  # a device of that size
     with pytest.raises(ConfigError, match="^the run does not fit: "):
         run(tmp_path, refused.overrides, "refused").fit()
+
+
+def test_the_search_takes_the_first_setting_that_fits_without_compiling_them_all(monkeypatch):
+    given = [*FIXED, "parallel.fsdp=8", "parallel.data=1", "train.global_batch_size=64"]
+    base = load_config(None, given)
+    (split,) = space.splits(base, 8, 8, space.fixed(given))
+    order = space.settings(base, split, ("none",))
+    assert [s.micro_batch for s in order] == [8, 8, 4, 4, 2, 2, 1, 1]  # each in one piece, then 4 loss chunks
+    total = {s: compile_layout(load_config(None, [*given, *split.overrides, *s.overrides, *QUIET]), jax.devices(),
+                               None).memory.total for s in order}
+    cap = total[order[4]]  # micro batch 2 in one piece fits, 4 does not
+    assert all(total[s] > cap for s in order[:4])
+    calls = []
+    monkeypatch.setattr(search_module, "compile_layout", lambda *a, **k: calls.append(a) or compile_layout(*a, **k))
+    (found,) = search(None, given, Target(H200, 8, cpu=True), LINKS, Table("h200"), Cache(None), cap, ("none",))
+    assert found.setting == order[4] and found.compiled.memory.total == cap
+    assert len(calls) < len(order)
 
 
 def test_refusals_come_back_with_their_reason_and_bad_input_exits_2(tmp_path, capsys):

@@ -128,28 +128,75 @@ def search(path: str | None, overrides: list[str], target: Target, links: Links,
     return ranked + [c for c in out if not c.fits]
 
 
+def _groups(settings: list[space.Setting]) -> list[list[list[space.Setting]]]:
+    """The settings per recompute setting, per micro batch, in the order given (fastest first)."""
+    out: dict = {}
+    for setting in settings:
+        out.setdefault(setting.remat, {}).setdefault(setting.micro_batch, []).append(setting)
+    return [list(per_micro.values()) for per_micro in out.values()]
+
+
 def _best_setting(split, path, overrides, target, links, table, cache, capacity, remats, probe) -> Candidate:
-    """The split's first setting (fastest first) that validation accepts and that fits `capacity`."""
+    """The split's first setting (fastest first) that validation accepts and that fits `capacity`.
+
+    Memory grows with the micro batch, and ZeRO-1 and loss chunks only take memory away, so not every setting is
+    compiled: the fastest first (it fits often); then per recompute setting the leanest at the smallest micro
+    batch, and if that fits, a bisection over the micro batches (each judged by its leanest variant), and at the
+    largest that fits its variants in order. Where nothing fits, the leanest settings tried give the shortfall."""
     devices = target.devices()
-    closest, reason = None, "no micro batch divides the batch"
+    reason = "no micro batch divides the batch"
     base = load_config(path, [*overrides, *split.overrides, *QUIET])
-    for setting in space.settings(base, split, remats, space.fixed(overrides)):
-        ov = [*split.overrides, *setting.overrides]
-        try:
-            cfg = load_config(path, [*overrides, *ov, *QUIET])
-            key = cache.key(cfg, devices, probe)
-            compiled = cache.get(key)
-            if compiled is None:
-                compiled = compile_layout(cfg, devices, capacity, probe)
-                cache.put(key, compiled)
-        except ConfigError as e:
-            reason = str(e)
+    tried: dict[space.Setting, tuple | None] = {}
+
+    def attempt(setting: space.Setting):
+        """(config, compiled) of the setting, or None where validation refuses it (its reason kept)."""
+        nonlocal reason
+        if setting not in tried:
+            try:
+                cfg = load_config(path, [*overrides, *split.overrides, *setting.overrides, *QUIET])
+                key = cache.key(cfg, devices, probe)
+                compiled = cache.get(key)
+                if compiled is None:
+                    compiled = compile_layout(cfg, devices, capacity, probe)
+                    cache.put(key, compiled)
+                tried[setting] = cfg, compiled
+            except ConfigError as e:
+                reason, tried[setting] = str(e), None
+        return tried[setting]
+
+    def fitting(setting: space.Setting) -> Candidate | None:
+        got = attempt(setting)
+        if got is None or got[1].memory.total > capacity:
+            return None
+        cfg, compiled = got
+        return Candidate(split, setting, [*split.overrides, *setting.overrides], compiled,
+                         estimate(cfg, compiled, table, target.gpu, links))
+
+    def fits(variants: list[space.Setting]) -> bool:
+        """Whether a micro batch fits under some variant: its leanest one that validation accepts decides."""
+        for setting in reversed(variants):
+            if (got := attempt(setting)) is not None:
+                return got[1].memory.total <= capacity
+        return False
+
+    groups = _groups(space.settings(base, split, remats, space.fixed(overrides)))
+    if groups and (first := fitting(groups[0][0][0])):
+        return first
+    for per_micro in groups:
+        if not fits(per_micro[-1]):
             continue
-        if compiled.memory.total <= capacity:
-            return Candidate(split, setting, ov, compiled, estimate(cfg, compiled, table, target.gpu, links))
-        rank = lambda c: (c.over_at is not None, c.memory.total)  # whole figures first
-        if closest is None or rank(compiled) < rank(closest.compiled):
-            closest = Candidate(split, setting, ov, compiled)
+        lo, hi = 0, len(per_micro) - 1  # per_micro[hi] fits: find the largest micro batch that does
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(per_micro[mid]) else (mid + 1, hi)
+        for setting in per_micro[lo]:
+            if found := fitting(setting):
+                return found
+    closest = None
+    rank = lambda c: (c.over_at is not None, c.memory.total)  # whole figures first
+    for setting, got in tried.items():
+        if got is not None and (closest is None or rank(got[1]) < rank(closest.compiled)):
+            closest = Candidate(split, setting, [*split.overrides, *setting.overrides], got[1])
     if closest is None:
         return Candidate(split, None, split.overrides, reason=reason)
     m, c = closest.compiled.memory, closest.compiled
