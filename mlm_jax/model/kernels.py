@@ -15,7 +15,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Kernels:
     attention: str = "xla"  # the attention kernel: cudnn (flash attention), xla or te (Transformer Engine)
-    experts: str = "ragged"  # dropless experts' grouped matmul: ragged or mgpu (`ops.grouped_matmul`)
+    experts: str = "ragged"  # dropless experts' grouped matmul: ragged, mgpu or mgpu-compile (`ops.grouped_matmul`)
     # products from the master weights (`linear.master_einsum`, `embed.master_take`): cast on their shard before
     # a gather, weight gradients from fp32 products (FSDP; per-layer gradient accumulation)
     master: bool = False

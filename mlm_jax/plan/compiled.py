@@ -89,9 +89,9 @@ def _probed(cfg: Config, devices, capacity, depths: tuple[int, int], resident: t
     groups); the weights and optimizer state are the model's own (`resident`).
 
     Where a probe is already over `capacity`, XLA's rematerialization pass has worked to bring it under the GPU's
-    memory, so that memory is not linear in depth there (a Mixtral shape under FSDP extrapolated from 8 and 16 layers
-    to 106 and 208 GiB compiled whole to 311 and 176): the step cannot fit, and the deeper probe's own figures are
-    returned with its depth, (memory, collectives, l2), rather than a shortfall that would mislead."""
+    memory, so that memory is not linear in depth there (a step probed at 106 GiB compiled whole at 311): the step
+    cannot fit, and that probe's own figures are returned with its depth, (memory, collectives, depth), rather than
+    a shortfall that would mislead."""
     (l1, l2), L = depths, cfg.model.num_layers
     read = []
     for n in depths:
