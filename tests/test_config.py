@@ -256,3 +256,16 @@ def test_hopper_experts_compiled_without_a_gpu_take_the_compile_only_weight_grad
     x_RK, dy_RN = jax.random.normal(jax.random.key(0), (6, 3)), jax.random.normal(jax.random.key(1), (6, 5))
     w_GKN = grouped_matmul._dense_wgrad(x_RK, dy_RN, jax.numpy.array([2, 4, 0, 0]))
     assert w_GKN.shape == (4, 3, 5) and jax.numpy.allclose(w_GKN[2], x_RK.T @ dy_RN, rtol=1e-6)
+
+
+def test_wide_heads_on_described_gpus_are_refused_in_one_line():
+    """Without a GPU in the process, jax's cuDNN attention allows heads of at most 128 (it reads the limit from the
+    process's own device): a plan of a wider-headed model says so instead of failing in the trace."""
+    degrees = {"data": 1, "fsdp": 1, "stage": 1, "context": 1, "expert": 1, "tensor": 1}
+    for overrides in (["model.head_dim=256"], ["model.mla.kv_lora_rank=64"]):
+        cfg = load_config(overrides=["model.dtype=bfloat16", *overrides])
+        assert _check_backend(cfg, degrees, "gpu", "NVIDIA H100", "9.0")[0].attention == "cudnn"
+        with pytest.raises(ConfigError, match="head dim (256|192) .* model.attention_impl=xla"):
+            _check_backend(cfg, degrees, "gpu", "NVIDIA H100", "9.0", gpu_here=False)
+    narrow = load_config(overrides=["model.dtype=bfloat16"])
+    assert _check_backend(narrow, degrees, "gpu", "NVIDIA H100", "9.0", gpu_here=False)[0].attention == "cudnn"

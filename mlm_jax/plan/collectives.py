@@ -90,8 +90,8 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         module = _MODULE.search(hlo_text)
         header = dict(_DEVICES.findall(module[0])) if module else {}
         num_devices = int(header.get("num_partitions", 1)) * int(header.get("replica_count", 1))
-    hidden = {name: _overlaps(lines) for name, lines in bodies.items()}
-    in_async = {callee: hidden[name].get(i, False) for name, lines in bodies.items()
+    beside = {name: _overlaps(lines) for name, lines in bodies.items()}
+    in_async = {callee: beside[name].get(i, False) for name, lines in bodies.items()
                 for i, (opcode, _, line) in enumerate(lines) if opcode == "async-start"
                 for attr, value in _CALLS.findall(_QUOTED.sub("", line)) if attr == "calls"
                 for callee in re.findall(r"[\w.\-]+", value.replace("%", ""))}
@@ -102,7 +102,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         for i, (opcode, shape, line) in enumerate(lines):
             if opcode in _KINDS:
                 count, known = counts[name]
-                overlapped = hidden[name].get(i, False) if opcode.endswith("-start") else in_async.get(name, False)
+                overlapped = beside[name].get(i, False) if opcode.endswith("-start") else in_async.get(name, False)
                 found.append(_collective(opcode, shape, line, num_devices, count, known, name, overlapped))
     return found
 

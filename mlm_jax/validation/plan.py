@@ -73,7 +73,7 @@ def accumulation_steps(cfg: Config, degrees: dict[str, int]) -> int:
         raise ConfigError(f"train.micro_batch_size={micro} x data-parallel degree {dp} x train.num_microbatches={M} "
                           f"!= train.global_batch_size={B}")
     if not micro:
-        M = M or (degrees["stage"] if degrees["stage"] > 1 else 1)
+        M = M or max(1, degrees["stage"])
         if B % (dp * M):
             what = f"train.num_microbatches={M} x " if M > 1 else ""
             raise ConfigError(f"train.global_batch_size={B} is not divisible by {what}data-parallel degree {dp} "
@@ -219,6 +219,12 @@ def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: s
     if reason := attention.unavailable(kernel, dtype, platform):
         key = f"model.attention_impl={m.attention_impl}" if m.attention_impl == kernel else f"model.dtype={dtype}"
         raise ConfigError(f"{key}: {reason}")
+    width = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.mla.enabled else m.dim_per_head
+    if kernel == "cudnn" and not gpu_here and width > 128:
+        raise ConfigError(f"model.attention_impl={m.attention_impl}: cuDNN flash attention at head dim {width} (over "
+                          "128) compiles only in a process with a GPU (jax checks the head dim against its own "
+                          "device); plan this model on a GPU machine, or with model.attention_impl=xla (whose "
+                          "memory counts the attention scores)")
     chosen = {"cudnn": "cudnn (flash attention)", "xla": "xla", "te": "te (Transformer Engine fused attention)"}
     attn = chosen[kernel]
     if m.attention_impl == "auto" and kernel == "xla":
