@@ -2,6 +2,10 @@
 a layout it says does not fit is refused at a run's start, what validation refuses comes back with the reason, and a
 second plan reads its compilations from the cache."""
 import json
+import subprocess
+import sys
+import textwrap
+import time
 
 import jax
 import pytest
@@ -161,3 +165,34 @@ def test_every_collective_adds_its_time_those_beside_compute_shown_apart():
     e = estimate(cfg, compiled, Table("h200"), H200, LINKS)
     assert e.exposed_s == {"intra-node beside compute": seconds(beside, LINKS), "intra-node": seconds(waits, LINKS)}
     assert e.step_time_s == pytest.approx(e.compute_s + seconds(beside, LINKS) + seconds(waits, LINKS), rel=1e-12)
+
+
+def test_search_processes_end_with_a_planner_killed_by_a_signal():
+    """A planner ended by SIGKILL or SIGTERM runs no clean-up; its search processes must not compile on for nobody."""
+    planner = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, time
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+        from mlm_jax.plan.search import _exit_with
+        if __name__ == "__main__":
+            pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_exit_with,
+                                       initargs=(os.getpid(),))
+            print(pool.submit(os.getpid).result(), flush=True)
+            pool.submit(time.sleep, 120)
+            time.sleep(120)
+        """)], stdout=subprocess.PIPE, text=True)
+    worker = int(planner.stdout.readline())
+    planner.kill()
+    planner.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _running(worker):
+        time.sleep(0.2)
+    assert not _running(worker)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

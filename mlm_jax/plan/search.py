@@ -10,6 +10,8 @@ import hashlib
 import json
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -118,7 +120,8 @@ def search(path: str | None, overrides: list[str], target: Target, links: Links,
             out.append(_best_setting(split, *args))
     else:
         progress(0, len(splits), f"{jobs} processes")
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with,
+                                 initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_best_setting, split, *args): split for split in splits}
             for i, done in enumerate(as_completed(futures), 1):
                 progress(i, len(splits), futures[done].describe())
@@ -126,6 +129,17 @@ def search(path: str | None, overrides: list[str], target: Target, links: Links,
     progress(len(splits), len(splits), "")
     ranked = sorted((c for c in out if c.fits), key=lambda c: c.estimate.step_time_s)
     return ranked + [c for c in out if not c.fits]
+
+
+def _exit_with(parent: int, every_s: float = 1.0) -> None:
+    """A search process's watch on the planner that started it: a planner ended by a signal runs no clean-up, and
+    its processes would go on compiling for nobody; each ends itself once its parent is gone."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _groups(settings: list[space.Setting]) -> list[list[list[space.Setting]]]:
