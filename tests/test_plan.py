@@ -2,10 +2,10 @@
 a layout it says does not fit is refused at a run's start, what validation refuses comes back with the reason, and a
 second plan reads its compilations from the cache."""
 import json
-import subprocess
-import sys
-import textwrap
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import jax
 import pytest
@@ -169,25 +169,26 @@ def test_every_collective_adds_its_time_those_beside_compute_shown_apart():
 
 def test_search_processes_end_with_a_planner_killed_by_a_signal():
     """A planner ended by SIGKILL or SIGTERM runs no clean-up; its search processes must not compile on for nobody."""
-    planner = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import os, time
-        from concurrent.futures import ProcessPoolExecutor
-        from multiprocessing import get_context
-        from mlm_jax.plan.search import _exit_with
-        if __name__ == "__main__":
-            pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_exit_with,
-                                       initargs=(os.getpid(),))
-            print(pool.submit(os.getpid).result(), flush=True)
-            pool.submit(time.sleep, 120)
-            time.sleep(120)
-        """)], stdout=subprocess.PIPE, text=True)
-    worker = int(planner.stdout.readline())
+    context = multiprocessing.get_context("spawn")
+    pids = context.Queue()
+    planner = context.Process(target=_planner, args=(pids,))
+    planner.start()
+    worker = pids.get(timeout=120)
     planner.kill()
-    planner.wait()
+    planner.join()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and _running(worker):
         time.sleep(0.2)
     assert not _running(worker)
+
+
+def _planner(pids) -> None:
+    """A planner's pool as `search` makes it, busy with a long task."""
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=search_module._exit_with, initargs=(os.getpid(),))
+    pids.put(pool.submit(os.getpid).result())
+    pool.submit(time.sleep, 120)
+    time.sleep(120)
 
 
 def _running(pid: int) -> bool:
