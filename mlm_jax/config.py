@@ -115,6 +115,11 @@ class MLAConfig:
     def enabled(self) -> bool:
         return self.kv_lora_rank > 0
 
+    @property
+    def qk_head_dim(self) -> int:
+        """A query's and key's dims per head: the ones without position and the rotated ones."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
 
 @dataclass(frozen=True)
 class RopeScalingConfig:

@@ -33,7 +33,7 @@ def flops_per_token(m: ModelConfig, num_params: int, seq_len: int) -> float:
 
     qk, v = m.dim_per_head, m.dim_per_head
     if m.mla.enabled:
-        qk, v = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
+        qk, v = m.mla.qk_head_dim, m.mla.v_head_dim
     attention = 6 * m.num_heads * (qk + v) * sum(keys(i) for i in range(m.num_layers))
     return 6 * non_embedding + head + attention
 

@@ -111,9 +111,9 @@ def _check_mla(m) -> None:
         return
     if a.qk_rope_head_dim % 2:
         raise ConfigError(f"model.mla.qk_rope_head_dim={a.qk_rope_head_dim}: rotary embeddings need an even count")
-    if a.v_head_dim > a.qk_nope_head_dim + a.qk_rope_head_dim:
+    if a.v_head_dim > a.qk_head_dim:
         raise ConfigError(f"model.mla.v_head_dim={a.v_head_dim} exceeds the query/key head dim "
-                          f"{a.qk_nope_head_dim + a.qk_rope_head_dim} (qk_nope_head_dim + qk_rope_head_dim)")
+                          f"{a.qk_head_dim} (qk_nope_head_dim + qk_rope_head_dim)")
     for on, what in ((m.qk_norm, "model.qk_norm"), (m.qkv_bias, "model.qkv_bias"),
                      (m.sliding_window is not None, "model.sliding_window"),
                      (m.kv_heads != m.num_heads, "model.num_kv_heads"), (m.head_dim is not None, "model.head_dim"),

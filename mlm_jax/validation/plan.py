@@ -219,7 +219,7 @@ def _check_backend(cfg: Config, d: dict[str, int], platform: str, device_kind: s
     if reason := attention.unavailable(kernel, dtype, platform):
         key = f"model.attention_impl={m.attention_impl}" if m.attention_impl == kernel else f"model.dtype={dtype}"
         raise ConfigError(f"{key}: {reason}")
-    width = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.mla.enabled else m.dim_per_head
+    width = m.mla.qk_head_dim if m.mla.enabled else m.dim_per_head
     if kernel == "cudnn" and not gpu_here and width > 128:
         raise ConfigError(f"model.attention_impl={m.attention_impl}: cuDNN flash attention at head dim {width} (over "
                           "128) compiles only in a process with a GPU (jax checks the head dim against its own "
