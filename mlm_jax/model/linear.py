@@ -94,10 +94,16 @@ def _master_fwd(equation, x, master):
 
 
 def _gradients(equation, x, w, dy, master_dtype):
-    """(dx in x's dtype from the compute weight `w`, dw as an fp32 product in the master's dtype)."""
+    """(dx in x's dtype from the compute weight `w`, dw as an fp32 product in the master's dtype).
+
+    dw's operands pass an optimization barrier of their own: products that share x (q, k and v; gate and up) would
+    otherwise be merged by XLA into one product whose fp32 output is sliced and added into each weight's gradient
+    sum in passes of their own, where each product by itself adds into its sum in the GEMM's epilogue (per-layer
+    accumulation, `train.step`)."""
     inputs, out = equation.split("->")
     xs, ks = inputs.split(",")
     dx = jnp.einsum(f"{out},{ks}->{xs}", dy, w)
+    x, dy = jax.lax.optimization_barrier((x, dy))
     dw = jnp.einsum(f"{xs},{out}->{ks}", x, dy, preferred_element_type=jnp.float32)
     return dx.astype(x.dtype), dw.astype(master_dtype)
 
