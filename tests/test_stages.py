@@ -9,10 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax import load_config
-from mlm_jax.parallel.stages import STAGE, ChunkLayout, balanced_sizes, chunk_sizes
+from mlm_jax.model.transformer import layer_kinds, model_spec
+from mlm_jax.parallel.stages import (
+    STAGE,
+    ChunkLayout,
+    balanced_sizes,
+    chunk_sizes,
+    run_chunk,
+)
 
 LLAMA_1B = ["model.vocab_size=32768", "model.hidden_size=2048", "model.num_layers=16", "model.num_heads=16",
             "model.ffn_size=5632"]
@@ -107,3 +115,26 @@ def test_layers_of_several_kinds_share_slots_of_one_stack_each(kinds, sizes, sta
         mine = [i for i, s in enumerate(stacks) if s == stack]
         expect = np.where(layout.active[:, :, mine], layout.slots[:, :, mine], -1)
         np.testing.assert_array_equal(np.where(pool.active, np.asarray(rows)[pool.slots], -1), expect)
+
+
+@pytest.mark.parametrize("pooled", ["stacked", "list"])
+def test_an_unrolled_chunk_branches_around_its_optional_slots_only(pooled):
+    """A 3-layer chunk beside a 1-layer one: slots 1 and 2 are optional and sit in a conditional each, slot 0 runs
+    unconditionally (a conditional returns its products' gradients by a copy). The chunk's layers may come stacked
+    or as a list of layers (the executor's, taken apart once a step), with the same program."""
+    cfg = load_config(None, ["model.num_layers=4", "model.scan_layers=false"])
+    layout = ChunkLayout((3, 1), 1, 2, layer_kinds(cfg.model))
+    slots = layout.chunk_slots
+    assert slots.optional == (False, True, True)
+    spec = model_spec(cfg.model)
+    rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layout.width, *a.shape[1:]), a.dtype), spec.shapes["blocks"])
+    model = nnx.merge(spec.graphdef, spec.shapes)
+
+    def chunk(pool, x, active):
+        if pooled == "list":
+            pool = [jax.tree.map(lambda a, j=j: a[j], pool) for j in range(layout.width)]
+        return run_chunk(model, x, jnp.zeros(x.shape[:2], jnp.int32), {"blocks": pool}, slots, active)[0]
+
+    x = jax.ShapeDtypeStruct((1, 8, cfg.model.hidden_size), jnp.float32)
+    jaxpr = jax.make_jaxpr(chunk)(rows, x, jax.ShapeDtypeStruct((layout.width,), jnp.bool_))
+    assert [e.primitive.name for e in jaxpr.eqns].count("cond") == 2

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.model import axes as ax
+from mlm_jax.model.linear import CastWeight
 from mlm_jax.model.moe import moe_metrics
 from mlm_jax.model.transformer import default_positions, segment_positions
 from mlm_jax.parallel.schedule import Schedule
@@ -73,6 +74,14 @@ def _add_at(acc, i, g):
     return jax.tree.map(lambda a, x: a.at[i].add(x.astype(a.dtype)), acc, g)
 
 
+def _maybe(pred, f: Callable, carry):
+    """`f(carry)` where `pred`, else `carry`: a loop of zero or one trips. XLA updates a loop's carry in place,
+    where a conditional copies what passes through it (the head's fp32 gradient sums, a chunk's weight-gradient
+    sums, once per tick); the price is the host reading the loop's condition."""
+    trips = pred.astype(jnp.int32)
+    return jax.lax.while_loop(lambda c: c[0] < trips, lambda c: (c[0] + 1, f(c[1])), (jnp.int32(0), carry))[1]
+
+
 def _split(params, batch, M: int, layout: ChunkLayout, count):
     """(the layer stacks, the other parameters, the batch as M microbatches with its positions, loss mask if it has
     one, and the step's token `count`)."""
@@ -104,18 +113,20 @@ def _layout(params, schedule: Schedule, layout: ChunkLayout | None) -> ChunkLayo
 
 def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, count, *, mesh: Mesh, schedule: Schedule,
                             loss_fn: Callable, compute_dtype=jnp.float32, moe=None,
-                            layout: ChunkLayout | None = None) -> tuple[dict, dict]:
+                            layout: ChunkLayout | None = None, cast_once: frozenset = frozenset()) -> tuple[dict, dict]:
     """(metrics, gradient with respect to `params`) of the batch, computed by `schedule` over the chunks of
     `layout` (even by default): the cross-entropy over the step's `count` of target tokens (`train.loss`) as
     `metrics["loss"]` and, for an MoE model (`moe`, its config), the MoE losses in the objective and their statistics
     in the metrics, as the plain step reports them. `loss_fn(model, y_bSD, targets_bS, weights_BS=, count=)`: a
-    microbatch's share of the cross-entropy from the last chunk's output (`train.loss.head_loss`)."""
+    microbatch's share of the cross-entropy from the last chunk's output (`train.loss.head_loss`). `cast_once`: the
+    kernels (paths from the parameters' root) whose weight gradients 1F1B and zb1 take as fp32 products
+    (`linear.CastWeight`), as accumulation per layer does."""
     layout = _layout(params, schedule, layout)
     stacks, rest, data = _split(params, batch, schedule.microbatches, layout, count)
     kw = dict(mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout, moe=moe)
     if schedule.kind == "gpipe":
         return _gpipe(graphdef, stacks, rest, data, **kw)
-    return _one_f_one_b(graphdef, stacks, rest, data, compute_dtype=compute_dtype, **kw)
+    return _one_f_one_b(graphdef, stacks, rest, data, compute_dtype=compute_dtype, cast_once=cast_once, **kw)
 
 
 def pipeline_loss(graphdef: nnx.GraphDef, params, batch, count, *, mesh: Mesh, schedule: Schedule,
@@ -290,7 +301,7 @@ def _stash_plan(schedule: Schedule, segments):
             _read(w_rows, cot_where), cot_slots)
 
 
-def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layout, compute_dtype, moe):
+def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layout, compute_dtype, moe, cast_once):
     """Circular 1F1B (and zb1): the forward slot runs a chunk under `jax.vjp` and stashes its residuals, the
     backward slot rebuilds that pullback; no chunk is computed twice. zb1's deferred ticks split the backward
     into B (input gradient; the cotangents W needs are stashed) and a W slot that runs where the table says.
@@ -298,8 +309,15 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
     Slots run on every stage of a run of ticks that any stage needs them in; a stage whose table entry is idle
     computes on stale inputs and its results are discarded (a zero cotangent, a write to a free stash slot): in
     lockstep ticks it would otherwise wait, and collectives inside a chunk (ring attention, expert all-to-alls)
-    then run on every device. The chunks' weights are cast to the compute dtype once per step, so the pullback
-    holds the cast weights by identity (filtered out of the stash) rather than a copy per microbatch.
+    then run on every device of the stage.
+
+    As plain accumulation does per layer (`train.step`), the chunks' weights are cast to the compute dtype and
+    taken apart into layers once a step, and each chunk keeps an fp32 gradient sum per layer: one program over a
+    (V, ...) stack at a traced chunk v would copy the chunk's weights out, and its sums out and back, every tick.
+    The forward slot is a `lax.switch` over the chunks (a branch reads its chunk's layers in place; the residuals it
+    returns go into the stash); the backward slot is V loops of zero or one trips (`_maybe`), one per chunk, whose
+    products add their fp32 weight gradients (`cast_once`'s kernels) into the chunk's sums in their epilogues, in
+    place (a branch would copy the sums it passes through).
     """
     P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
     (fwd_ok, fwd_v, fwd_m), (bwd_ok, bwd_v, bwd_m) = _tables(schedule.forward), _tables(schedule.backward)
@@ -316,97 +334,115 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
         p = jax.lax.axis_index(STAGE)
         blocks, to_block = _gathered(layout, block, compute_dtype)  # (V, width, ...)
         st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layout, p)
-        residuals = Residuals()
-        analysed = {}  # the split of the chunk's pullback into B and W (split schedules), made at the first trace
+        unrolled = not st.model(rest).scan_layers
+        layers = [_chunk_layers(blocks, u, unrolled) for u in range(V)]
+        # per chunk (each chunk's program is its own: its slots' kinds, which of them it skips): its residuals'
+        # structure and, for a split schedule, its pullback's split into B and W, made at its first trace
+        residuals = [Residuals() for _ in range(V)]
+        analysed = {}
 
-        def forward(act_in, v, m):
-            """(chunk output, stashable residuals, routing statistics)."""
-            x = jax.lax.cond((v == 0) & (p == 0), lambda: st.embed(rest, m), lambda: act_in)
-            weights = _at(blocks, v)
-            chunk = jax.checkpoint(lambda w, x: st.chunk(rest, w, x, v, m), policy=stash_policy, prevent_cse=False)
+        slots = layout.chunk_slots
+        always = {k: {slots.row(i) for i, stack in enumerate(slots.stacks) if stack == k and not slots.optional[i]}
+                  for k in blocks}
+
+        def weights(u):
+            return _paired(layers[u], cast_once, always)
+
+        def forward(act_in, u, m):
+            """Chunk u's (output, stashable residuals, routing statistics)."""
+            x = jnp.where(p == 0, st.embed(rest, m), act_in) if u == 0 else act_in  # a gather: cheaper than a branch
+            w = weights(u)
+            chunk = jax.checkpoint(lambda w, x: st.chunk(rest, w, x, u, m), policy=stash_policy, prevent_cse=False)
 
             def run(w, x):
                 y, stats = chunk(w, x)
                 return (y, st.moe_term(stats)), stats
 
-            (y, term), pullback, stats = jax.vjp(run, weights, x, has_aux=True)
-            if split and not analysed:
-                analysed["split"] = split_pullback(pullback, (y, term))
-            return y, residuals.split(pullback, weights), stats
+            (y, term), pullback, stats = jax.vjp(run, w, x, has_aux=True)
+            if split and u not in analysed:
+                analysed[u] = split_pullback(pullback, (y, term))
+            return y, residuals[u].split(pullback, w), stats
 
-        y0, res0, stats0 = jax.eval_shape(forward, jax.eval_shape(lambda: st.embed(rest, 0)), 0, 0)
+        x0 = jax.eval_shape(lambda: st.embed(rest, 0))
+        y0, res0, stats0 = jax.eval_shape(lambda x, m: forward(x, 0, m), x0, 0)
+        for u in range(1, V):  # every chunk's stash entries and stashed cotangents take the same slots
+            shapes = jax.eval_shape(lambda x, m, u=u: forward(x, u, m)[1], x0, 0)
+            assert shapes == res0 and (not split or analysed[u].kept_shapes == analysed[0].kept_shapes), u
         zero_act = jnp.zeros(y0.shape, y0.dtype)
 
-        def head(y, g_rest, ok, m):
-            """The loss of the last chunk's output, its cotangent (scaled by `ok`: 0 for an idle slot) and the
-            head's gradient added to `g_rest`."""
-            loss, pullback = jax.vjp(lambda r, y: st.loss(r, y, m), rest, y)
-            g_r, g_y = pullback(ok.astype(loss.dtype))
-            return (ok * loss.astype(jnp.float32), jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_rest, g_r),
-                    g_y.astype(zero_act.dtype))
+        def head(y, loss, g_rest, ok, m):
+            """The loss of the last chunk's output added to `loss`, the head's gradient to `g_rest`, and the
+            output's cotangent (all scaled by `ok`: 0 for an idle slot)."""
+            value, pullback = jax.vjp(lambda r, y: st.loss(r, y, m), rest, y)
+            g_r, g_y = pullback(ok.astype(value.dtype))
+            return loss + ok * value.astype(jnp.float32), _add(g_rest, g_r), g_y.astype(zero_act.dtype)
 
-        def backward(stashed, y, g_in, g_rest, v, m, ok, defer):
-            is_last = (v == V - 1) & (p == P - 1)
-            loss, g_rest, g_y = jax.lax.cond(
-                is_last, lambda: head(y, g_rest, ok, m),
-                lambda: (jnp.zeros((), jnp.float32), g_rest, g_in * ok.astype(g_in.dtype)))
-            pullback = residuals.join(stashed, _at(blocks, v))
-            if defer:  # the input gradient only, and what the weight gradient will need
-                (g_x, kept), g_w = analysed["split"].input_grad(pullback, (g_y, ok.astype(jnp.float32))), None
-            else:
-                (g_w, g_x), kept = pullback((g_y, ok.astype(jnp.float32))), None
+        def backward(u, stashed, y, g_in, m, ok, deferred, t):
+            """Chunk u's backward slot, as a function of (loss, g_rest, g_x, chunk u's sums, stashed cotangents)."""
+            def run(carry):
+                loss, g_rest, _, sums, cots = carry
+                g_y = g_in * ok.astype(g_in.dtype)
+                if u == V - 1:
+                    loss, g_rest, g_y = _maybe(p == P - 1, lambda c: head(y, *c[:2], ok, m), (loss, g_rest, g_y))
+                pullback = residuals[u].join(stashed, weights(u))
+                if deferred:  # the input gradient only, and what the weight gradient will need
+                    g_x, kept = analysed[u].input_grad(pullback, (g_y, ok.astype(jnp.float32)))
+                    cots = [jax.lax.dynamic_update_index_in_dim(c, k.astype(c.dtype), cot_write[t, p], 0)
+                            for c, k in zip(cots, kept)]
+                else:
+                    g_w, g_x = pullback((g_y, ok.astype(jnp.float32)))
+                    sums = _add(sums, _masters(g_w))
+                if u == 0:  # the embedding's gradient, a scatter-add into its sum: cheaper than a branch
+                    _, pullback = jax.vjp(lambda r: st.embed(r, m), rest)
+                    g_rest = _add(g_rest, pullback(g_x * ((p == 0) & (ok == 1)).astype(g_x.dtype))[0])
+                return loss, g_rest, g_x.astype(zero_act.dtype), sums, cots
+            return run
 
-            def embedding_grad():
-                _, pullback = jax.vjp(lambda r: st.embed(r, m), rest)
-                return jax.tree.map(lambda a, g: a + g.astype(a.dtype), g_rest, pullback(g_x)[0])
-
-            g_rest = jax.lax.cond((v == 0) & (p == 0) & (ok == 1), embedding_grad, lambda: g_rest)
-            return loss, g_w, kept, g_rest, g_x
-
-        def weight_grad(stash, cots, g_blocks, v, t):
-            """W of a split schedule: the weight gradient of (v, m) from its residuals and B's cotangents."""
+        def weight_grad(stash, cots, u, t):
+            """W of a split schedule: chunk u's weight gradient of the (v, m) the table names, from its residuals
+            and B's cotangents."""
             stashed = [jax.lax.dynamic_index_in_dim(s, res_w[t, p], 0, keepdims=False) for s in stash]
             kept = [jax.lax.dynamic_index_in_dim(c, cot_w[t, p], 0, keepdims=False) for c in cots]
-            return _add_at(g_blocks, v, analysed["split"].weight_grad(residuals.join(stashed, _at(blocks, v)), kept))
+            return _masters(analysed[u].weight_grad(residuals[u].join(stashed, weights(u)), kept))
 
         def tick(run_forward, run_backward, deferred):
             def body(carry, t):
-                act_in, grad_in, stash, cots, g_blocks, g_rest, loss, stats_acc = carry
+                act_in, grad_in, stash, cots, sums, g_rest, loss, stats_acc = carry
+                sums = list(sums)
                 y = zero_act
                 if run_forward:
                     v, m, ok = fwd_v[t, p], fwd_m[t, p], fwd_ok[t, p]
-                    y, res, stats = forward(act_in, v, m)
+                    y, res, stats = jax.lax.switch(v, [lambda x, m, u=u: forward(x, u, m) for u in range(V)], act_in, m)
                     stash = [jax.lax.dynamic_update_index_in_dim(s, r.astype(s.dtype), res_write[t, p], 0)
                              for s, r in zip(stash, res)]
                     stats_acc = _add_at(stats_acc, v, jax.tree.map(lambda a: a * (ok / M), stats))
                 g_x = zero_act
                 if run_backward:
-                    v, m = bwd_v[t, p], bwd_m[t, p]
+                    v, m, ok = bwd_v[t, p], bwd_m[t, p], bwd_ok[t, p]
                     stashed = [jax.lax.dynamic_index_in_dim(s, res_b[t, p], 0, keepdims=False) for s in stash]
-                    l, g_w, kept, g_rest, g_x = backward(stashed, y, grad_in, g_rest, v, m, bwd_ok[t, p], deferred)
-                    if deferred:
-                        cots = [jax.lax.dynamic_update_index_in_dim(c, k.astype(c.dtype), cot_write[t, p], 0)
-                                for c, k in zip(cots, kept)]
-                    else:
-                        g_blocks = _add_at(g_blocks, v, g_w)
-                    loss = loss + l
+                    for u in range(V):
+                        loss, g_rest, g_x, sums[u], cots = _maybe(
+                            v == u, backward(u, stashed, y, grad_in, m, ok, deferred, t),
+                            (loss, g_rest, g_x, sums[u], cots))
                 if deferred:  # skipped where idle: W has no collectives a neighbour waits for
                     v = w_v[t, p]
-                    g_blocks = jax.lax.cond(w_ok[t, p] == 1, lambda: weight_grad(stash, cots, g_blocks, v, t),
-                                            lambda: g_blocks)
+                    for u in range(V):
+                        sums[u] = _maybe((w_ok[t, p] == 1) & (v == u),
+                                         lambda s, u=u: _add(s, weight_grad(stash, cots, u, t)), sums[u])
                 act_out = jax.lax.ppermute(y, STAGE, to_next)
-                grad_out = jax.lax.ppermute(g_x.astype(zero_act.dtype), STAGE, to_prev)
-                return (act_out, grad_out, stash, cots, g_blocks, g_rest, loss, stats_acc), None
+                grad_out = jax.lax.ppermute(g_x, STAGE, to_prev)
+                return (act_out, grad_out, stash, cots, sums, g_rest, loss, stats_acc), None
             return body
 
-        cots = [jnp.zeros((cot_slots, *k.shape), k.dtype) for k in analysed["split"].kept_shapes] if split else []
+        cots = [jnp.zeros((cot_slots, *k.shape), k.dtype) for k in analysed[0].kept_shapes] if split else []
         carry = (zero_act, zero_act, [jnp.zeros((res_slots, *r.shape), r.dtype) for r in res0], cots,
-                 _zeros(blocks, jnp.float32), _zeros(rest, jnp.float32), jnp.zeros((), jnp.float32),
+                 [_zeros(chunk, jnp.float32) for chunk in layers], _zeros(rest, jnp.float32),
+                 jnp.zeros((), jnp.float32),
                  _zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((V, *a.shape), jnp.float32), stats0)))
         for start, stop, *slots_run in segments:
             carry, _ = jax.lax.scan(tick(*slots_run), carry, jnp.arange(start, stop))
-        _, _, _, _, g_blocks, g_rest, loss, stats = carry
-        return (jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), to_block(g_blocks),
+        _, _, _, _, sums, g_rest, loss, stats = carry
+        return (jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), to_block(_stacked(sums)),
                 jax.tree.map(lambda a: a[:, None], stats))  # (V, 1, width, ...): this stage's part
 
     stacks_spec, rest_spec = _specs(stacks, rest, layout)
@@ -416,6 +452,49 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
         check_vma=False,
     )(stacks, rest, data)
     return _metrics(loss, stats, layout), {**g_rest, **g_stacks}
+
+
+def _chunk_layers(blocks, u: int, unrolled: bool) -> dict:
+    """Chunk u's layers per stack, taken out of the (V, width, ...) stacks once a step: a list of layers where the
+    model is unrolled (each product then reads its layer in place), else the chunk's (width, ...) rows."""
+    if not unrolled:
+        return {k: jax.tree.map(lambda a: a[u], tree) for k, tree in blocks.items()}
+    return {k: [jax.tree.map(lambda a, j=j: a[u, j], tree) for j in range(jax.tree.leaves(tree)[0].shape[1])]
+            for k, tree in blocks.items()}
+
+
+def _stacked(chunks: list[dict]) -> dict:
+    """`_chunk_layers`' inverse over all chunks: per stack, (V, width, ...)."""
+    def rows(pool):
+        return jax.tree.map(lambda *r: jnp.stack(r), *pool) if isinstance(pool, list) else pool
+    return {k: jax.tree.map(lambda *c: jnp.stack(c), *[rows(chunk[k]) for chunk in chunks]) for k in chunks[0]}
+
+
+def _paired(layers: dict, cast_once: frozenset, always: dict[str, set[int]]) -> dict:
+    """Chunk layers with each kernel in `cast_once` (paths from the parameters' root) paired with an fp32 stand-in
+    for its master (`linear.CastWeight`): its product reads the layer's compute-dtype weights and returns the weight
+    gradient as an fp32 product, which XLA adds into the chunk's fp32 sum in the product's epilogue. Only the
+    stand-in's dtype is read, and it is made where it is used, so it is never written. Only the rows that every
+    chunk runs (`always`, per stack): an optional slot's layer runs in a conditional, which returns its products'
+    gradients by a copy that fp32 would double."""
+    def pair(stack, layer):
+        def one(path, w):
+            named = (stack, *(str(getattr(k, "key", k)) for k in path))
+            return CastWeight(jnp.zeros(w.shape, jnp.float32), w) if named in cast_once else w
+        return jax.tree_util.tree_map_with_path(one, layer)
+    return {k: [pair(k, layer) if j in always[k] else layer for j, layer in enumerate(pool)] if isinstance(pool, list)
+            else pair(k, pool) if len(always[k]) == jax.tree.leaves(pool)[0].shape[0] else pool
+            for k, pool in layers.items()}
+
+
+def _masters(g):
+    """A gradient of `_paired` layers as the layers' own tree: each pair's master gradient (its copy gets none)."""
+    return jax.tree.map(lambda a: a.master if isinstance(a, CastWeight) else a, g,
+                        is_leaf=lambda a: isinstance(a, CastWeight))
+
+
+def _add(acc, g):
+    return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g)
 
 
 def _metrics(loss, stats_VPW, layout: ChunkLayout) -> dict:

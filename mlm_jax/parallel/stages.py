@@ -396,9 +396,11 @@ def run_chunk(model: Transformer, x_BSD: jax.Array, positions_BS: jax.Array, poo
               active: jax.Array | None = None, local: jax.Array | None = None,
               segment_ids_BS: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """A pipeline chunk of `model`'s layers (the tokens' segments, if any, kept apart): slot i runs row
-    `slots.row(i)` of `pools[slots.stacks[i]]` (that stack's stacked chunk layers) where the traced `active[i]` says, if `slots.optional[i]` (else always), as a sliding-window layer
-    where `slots.local[i]`, or, where that is None, where the traced `local[i]` says. Returns the output and
-    each slot's MoE statistics (zeros where the slot ran no MoE layer; {} for a model without experts).
+    `slots.row(i)` of `pools[slots.stacks[i]]` (that stack's chunk layers, stacked, or for unrolled layers a list
+    of them, which each product reads without a copy out of a stack) where the traced `active[i]` says, if
+    `slots.optional[i]` (else always), as a sliding-window layer where `slots.local[i]`, or, where that is None,
+    where the traced `local[i]` says. Returns the output and each slot's MoE statistics (zeros where the slot ran no
+    MoE layer; {} for a model without experts).
 
     Slots of one stack in a row run as `Transformer.run_blocks` does (scanned or unrolled); optional slots sit in a
     `lax.cond` (scanned: every slot of the run, one body). A slot never chooses between stacks: the stages
@@ -406,7 +408,7 @@ def run_chunk(model: Transformer, x_BSD: jax.Array, positions_BS: jax.Array, poo
     """
     stats = {}
     if hasattr(model.blocks, "moe"):  # an MoE model: its MoE layers' statistics
-        layer0 = jax.tree.map(lambda w: w[0], pools["blocks"])
+        layer0 = _row(pools["blocks"], 0)
         stats = jax.eval_shape(model.block_fn(("blocks", False)), x_BSD, positions_BS, layer0, segment_ids_BS)[1]
 
     def zeros():
@@ -426,7 +428,6 @@ def run_chunk(model: Transformer, x_BSD: jax.Array, positions_BS: jax.Array, poo
     out = []
     for stack, start, count in slots.runs:
         row = slots.row(start)
-        weights = jax.tree.map(lambda w: w[row:row + count], pools[stack])
         part = range(start, start + count)
         on = active[start:start + count] if any(slots.optional[i] for i in part) else None
         kinds = {slots.local[i] for i in part}
@@ -440,14 +441,20 @@ def run_chunk(model: Transformer, x_BSD: jax.Array, positions_BS: jax.Array, poo
             def body(x_BSD, xs, stack=stack, static=static):
                 w, o, f = xs
                 return layer(stack, x_BSD, w, o, static if f is None else f)
+            weights = jax.tree.map(lambda w: w[row:row + count], pools[stack])
             x_BSD, run_stats = jax.lax.scan(body, x_BSD, (weights, on, flags))
         else:
             run_stats = []
             for j, i in enumerate(part):
                 is_local = local[i] if slots.local[i] is None else slots.local[i]
-                x_BSD, layer_stats = layer(stack, x_BSD, jax.tree.map(lambda w: w[j], weights),
-                                           None if on is None else on[j], is_local)
+                x_BSD, layer_stats = layer(stack, x_BSD, _row(pools[stack], row + j),
+                                           on[j] if slots.optional[i] else None, is_local)
                 run_stats.append(layer_stats)
             run_stats = jax.tree.map(lambda *s: jnp.stack(s), *run_stats)
         out.append(run_stats)
     return x_BSD, jax.tree.map(lambda *s: jnp.concatenate(s), *out) if stats else {}
+
+
+def _row(pool, i: int):
+    """Row i of a stack's chunk layers (`run_chunk`'s pools: stacked, or a list of layers)."""
+    return pool[i] if isinstance(pool, list) else jax.tree.map(lambda w: w[i], pool)
