@@ -74,6 +74,11 @@ class Linear(nnx.Module):
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y
 
 
+def path_names(path) -> tuple[str, ...]:
+    """A pytree path as the names `master_kernels` gives (what pairs a kernel with its `CastWeight`)."""
+    return tuple(str(getattr(k, "key", k)) for k in path)
+
+
 def master_kernels(module: nnx.Module) -> frozenset[tuple[str, ...]]:
     """The paths of the kernels in `module` that `master_einsum` multiplies (bf16 `Linear`s with master kernels)."""
     return frozenset((*map(str, path), "kernel") for path, m in nnx.iter_modules(module)

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.model import axes as ax
-from mlm_jax.model.linear import CastWeight
+from mlm_jax.model.linear import CastWeight, path_names
 from mlm_jax.model.moe import moe_metrics
 from mlm_jax.model.transformer import default_positions, segment_positions
 from mlm_jax.parallel.schedule import Schedule
@@ -479,7 +479,7 @@ def _paired(layers: dict, cast_once: frozenset, always: dict[str, set[int]]) -> 
     gradients by a copy that fp32 would double."""
     def pair(stack, layer):
         def one(path, w):
-            named = (stack, *(str(getattr(k, "key", k)) for k in path))
+            named = (stack, *path_names(path))
             return CastWeight(jnp.zeros(w.shape, jnp.float32), w) if named in cast_once else w
         return jax.tree_util.tree_map_with_path(one, layer)
     return {k: [pair(k, layer) if j in always[k] else layer for j, layer in enumerate(pool)] if isinstance(pool, list)

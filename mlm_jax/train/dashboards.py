@@ -4,6 +4,7 @@ wait for the device), are written by process 0 only, and last one `fit` (closed 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 
 from mlm_jax.config import Config, to_yaml
@@ -24,15 +25,29 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
+def _summary_writer():
+    """tensorboardX's writer (checked with the config; `log.tensorboard=false` runs without it), imported without
+    torch: tensorboardX imports torch where it is installed, about 3 s of a run's start-up, only to accept its
+    tensors, and the records hold floats. A module set to None in `sys.modules` fails to import, which tensorboardX
+    expects of a machine without torch; a torch the process has already imported is left as it is."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoard:
     """Event files that `tensorboard --logdir <output_dir>` shows: every logged record's scalars, and the resolved
     config as text."""
 
     def __init__(self, cfg: Config):
-        from tensorboardX import SummaryWriter  # checked with the config; `log.tensorboard=false` runs without it
-
         self.directory = os.path.join(cfg.train.output_dir, "tensorboard")
-        self.writer = SummaryWriter(self.directory)
+        self.writer = _summary_writer()(self.directory)
         self.writer.add_text("config", "\n".join("    " + line for line in to_yaml(cfg).splitlines()))
 
     def write(self, record: dict) -> None:

@@ -188,11 +188,16 @@ class Trainer:
         moe = cfg.model.moe if cfg.model.moe.enabled else None
         compute_dtype = jnp.dtype(cfg.model.dtype)
         eval_graphdef = model_spec(cfg.model, su.kernels).graphdef
-        # products whose weight gradient can come as an fp32 product (`linear.CastWeight`): accumulated per layer,
-        # in plain accumulation or a pipeline's chunks, XLA adds it into the layer's fp32 sum in the epilogue
-        master_graphdef = model_spec(cfg.model, dataclasses.replace(su.kernels, master=True)).graphdef
-        cast_once = frozenset(path for path in master_kernels(nnx.merge(master_graphdef, self.spec.shapes))
-                              if path[0] in STACKS)
+
+        @functools.cache
+        def masters():
+            """(graphdef, kernel paths) of the products whose weight gradient can come as an fp32 product
+            (`linear.CastWeight`): accumulated per layer, in plain accumulation or a pipeline's chunks, XLA adds it
+            into the layer's fp32 sum in the epilogue. Built only for such steps (one abstract trace of the model)."""
+            graphdef = model_spec(cfg.model, dataclasses.replace(su.kernels, master=True)).graphdef
+            return graphdef, frozenset(path for path in master_kernels(nnx.merge(graphdef, self.spec.shapes))
+                                       if path[0] in STACKS)
+
         self.schedule, self.chunks, pipeline, forward = schedule, None, None, None
         if schedule is not None:
             split = p.pipeline_layers if self.degrees["stage"] > 1 else "even"
@@ -202,7 +207,7 @@ class Trainer:
             kw = dict(mesh=self.mesh, schedule=schedule, moe=moe, layout=self.chunks,
                       loss_fn=functools.partial(head_loss, chunks=cfg.train.loss_chunks))
             pipeline = functools.partial(pipeline_value_and_grad, eval_graphdef, compute_dtype=compute_dtype,
-                                         cast_once=cast_once, **kw)
+                                         cast_once=masters()[1], **kw)
             forward = functools.partial(pipeline_loss, eval_graphdef, **kw)
         step_plan = StepPlan(
             graphdef=eval_graphdef, accum_steps=self.accum_steps, master_shardings=self.master_shardings,
@@ -212,6 +217,7 @@ class Trainer:
             per_layer=() if cfg.model.scan_layers else STACKS, prepare=su.prepare, pipeline=pipeline,
             pipeline_loss=forward)
         if step_plan.per_layer_stacks(self.spec.shapes):  # accumulated per layer: weight gradients in fp32
+            master_graphdef, cast_once = masters()
             step_plan = dataclasses.replace(step_plan, graphdef=master_graphdef, cast_once=cast_once)
         self.step_plan = step_plan
 

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import MoEConfig
 from mlm_jax.model import axes as ax
-from mlm_jax.model.linear import CastWeight
+from mlm_jax.model.linear import CastWeight, path_names
 from mlm_jax.model.moe import balance_loss, moe_metrics
 from mlm_jax.ops.fp8 import is_history
 from mlm_jax.train.loss import head_loss, token_count
@@ -219,17 +219,13 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, count, stacks):
     return _combined(metrics_A), _to_master(plan, gather(grad_sum))
 
 
-def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", k)) for k in path)
-
-
 def _compute_copies(plan: StepPlan, params, counts: dict[str, int]) -> dict[str, list[dict]]:
     """Per stack, per layer: {kernel path in the layer: its copy in the compute dtype} for `plan.cast_once`'s
     kernels whose master weights are in another dtype, cast once, before the microbatch loop."""
     copies = {}
     for k, n in counts.items():
-        kernels = [(_names(path), w) for path, w in jax.tree_util.tree_flatten_with_path(params[k])[0]
-                   if (k, *_names(path)) in plan.cast_once and w.dtype != plan.compute_dtype]
+        kernels = [(path_names(path), w) for path, w in jax.tree_util.tree_flatten_with_path(params[k])[0]
+                   if (k, *path_names(path)) in plan.cast_once and w.dtype != plan.compute_dtype]
         copies[k] = [{name: w[i].astype(plan.compute_dtype) for name, w in kernels} for i in range(n)]
     return copies
 
@@ -238,7 +234,7 @@ def _with_copies(tree, copies: dict[str, list[dict]]):
     """The per-layer weights `tree` with each kernel that has a copy paired with it (`linear.CastWeight`)."""
     def pair(layer, copy):
         def one(path, w):
-            c = copy.get(_names(path))
+            c = copy.get(path_names(path))
             return w if c is None else CastWeight(w, c)
         return jax.tree_util.tree_map_with_path(one, layer)
     return {**tree, **{k: [pair(layer, copy) for layer, copy in zip(tree[k], cs)] for k, cs in copies.items()}}
