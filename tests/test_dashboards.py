@@ -2,6 +2,8 @@
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -48,6 +50,18 @@ def test_tensorboard_holds_the_scalars_of_metrics_jsonl_and_the_config(tmp_path)
             assert got[step] == np.float32(value), (name, step)
     text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "num_experts: 4" in text and f"output_dir: {tmp_path}" in text
+
+
+def test_the_tensorboard_writer_comes_without_torch_and_leaves_it_importable():
+    """tensorboardX imports torch where it is installed (seconds of every run's start-up); the writer is imported
+    without it, and torch stays importable afterwards."""
+    check = ("import importlib.util, sys\n"
+             "from mlm_jax.train.dashboards import _summary_writer\n"
+             "_summary_writer()\n"
+             "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules\n"
+             "assert importlib.util.find_spec('torch') is not None\n")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_tensorboard_off_writes_none(tmp_path):
