@@ -190,7 +190,8 @@ def write(results_dir: str, rec: dict) -> None:
     with open(os.path.join(results_dir, "results.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
     mem = rec["peak_memory_gib"], rec["plain_peak_memory_gib"]
-    cells = [rec["date"][:10], f"{rec['gpu']} x1", f"{rec['config']} (pipeline overhead, {rec['schedule']} V="
+    label = f"{rec['label']}, " if rec.get("label") else ""
+    cells = [rec["date"][:10], f"{rec['gpu']} x1", f"{rec['config']} ({label}pipeline overhead, {rec['schedule']} V="
              f"{rec['virtual']} M={rec['microbatches']}, layers {rec['chunk_layers']})", f"`{rec['command']}`",
              f"{rec['tokens_per_s']:,.0f}", "-",
              "-", f"plain {rec['plain_tokens_per_s']:,.0f}", f"{rec['ratio_to_plain']:.3f} of plain",

@@ -125,7 +125,13 @@ master_einsum.defvjp(_master_fwd, _master_bwd)
 def copy_einsum(equation: str, x: jax.Array, master: jax.Array, copy: jax.Array) -> jax.Array:
     """`master_einsum` from a copy of the master in x's dtype made beforehand (`CastWeight`): the products read the
     copy, the weight gradient is an fp32 product returned for the master; the copy gets none (a zero), as it is
-    made outside what is differentiated."""
+    made outside what is differentiated.
+
+    The operands pass an optimization barrier of their own, as the weight gradient's do (`_gradients`): products
+    that share x (q, k and v; gate and up) would otherwise be merged by XLA into one whose weights are concatenated
+    and whose output is sliced apart in passes of their own, once per microbatch (the weights are loop-invariant, the
+    concatenation is not hoisted out of the microbatch loop)."""
+    x, copy = jax.lax.optimization_barrier((x, copy))
     return jnp.einsum(equation, x, copy)
 
 

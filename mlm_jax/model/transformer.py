@@ -238,6 +238,18 @@ def split_layers(stacked) -> list:
     return [jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
+def layers_of(stack, n: int, take=lambda w, i: w[i]) -> list:
+    """A stacked tree's n layers, each a tree of the stack's structure (`take(leaf, i)`: layer i of a leaf): what
+    gradient accumulation per layer (`train.step`) and the pipeline's chunks (`parallel.pipeline`) take apart once a
+    step, so that each layer's products read its weights, and add into its gradient sum, in place."""
+    return [jax.tree.map(lambda w, i=i: take(w, i), stack) for i in range(n)]
+
+
+def stack_layers(layers: list):
+    """`layers_of`'s inverse: the layers' trees stacked along a new leading dim."""
+    return jax.tree.map(lambda *ws: jnp.stack(ws), *layers)
+
+
 def default_positions(tokens_BS: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
 

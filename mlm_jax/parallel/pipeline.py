@@ -32,7 +32,7 @@ from jax.sharding import Mesh, PartitionSpec
 from mlm_jax.model import axes as ax
 from mlm_jax.model.linear import CastWeight, path_names
 from mlm_jax.model.moe import moe_metrics
-from mlm_jax.model.transformer import default_positions, segment_positions
+from mlm_jax.model.transformer import default_positions, layers_of, segment_positions, stack_layers
 from mlm_jax.parallel.schedule import Schedule
 from mlm_jax.parallel.recompute import stash_policy
 from mlm_jax.parallel.split_vjp import split_pullback
@@ -377,10 +377,13 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
             g_r, g_y = pullback(ok.astype(value.dtype))
             return loss + ok * value.astype(jnp.float32), _add(g_rest, g_r), g_y.astype(zero_act.dtype)
 
-        def backward(u, stashed, y, g_in, m, ok, deferred, t):
-            """Chunk u's backward slot, as a function of (loss, g_rest, g_x, chunk u's sums, stashed cotangents)."""
+        def backward(u, stash, y, g_in, m, ok, deferred, t):
+            """Chunk u's backward slot, as a function of (loss, g_rest, g_x, chunk u's sums, stashed cotangents).
+            Its residuals are read out of the stash inside the slot's loop, where XLA reads each one in place into
+            the fusion that consumes it (read before the loop, each would be copied out whole every tick)."""
             def run(carry):
                 loss, g_rest, _, sums, cots = carry
+                stashed = [jax.lax.dynamic_index_in_dim(s, res_b[t, p], 0, keepdims=False) for s in stash]
                 g_y = g_in * ok.astype(g_in.dtype)
                 if u == V - 1:
                     loss, g_rest, g_y = _maybe(p == P - 1, lambda c: head(y, *c[:2], ok, m), (loss, g_rest, g_y))
@@ -419,10 +422,9 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
                 g_x = zero_act
                 if run_backward:
                     v, m, ok = bwd_v[t, p], bwd_m[t, p], bwd_ok[t, p]
-                    stashed = [jax.lax.dynamic_index_in_dim(s, res_b[t, p], 0, keepdims=False) for s in stash]
                     for u in range(V):
                         loss, g_rest, g_x, sums[u], cots = _maybe(
-                            v == u, backward(u, stashed, y, grad_in, m, ok, deferred, t),
+                            v == u, backward(u, stash, y, grad_in, m, ok, deferred, t),
                             (loss, g_rest, g_x, sums[u], cots))
                 if deferred:  # skipped where idle: W has no collectives a neighbour waits for
                     v = w_v[t, p]
@@ -459,15 +461,14 @@ def _chunk_layers(blocks, u: int, unrolled: bool) -> dict:
     model is unrolled (each product then reads its layer in place), else the chunk's (width, ...) rows."""
     if not unrolled:
         return {k: jax.tree.map(lambda a: a[u], tree) for k, tree in blocks.items()}
-    return {k: [jax.tree.map(lambda a, j=j: a[u, j], tree) for j in range(jax.tree.leaves(tree)[0].shape[1])]
-            for k, tree in blocks.items()}
+    return {k: layers_of(tree, jax.tree.leaves(tree)[0].shape[1], lambda a, j: a[u, j]) for k, tree in blocks.items()}
 
 
 def _stacked(chunks: list[dict]) -> dict:
     """`_chunk_layers`' inverse over all chunks: per stack, (V, width, ...)."""
     def rows(pool):
-        return jax.tree.map(lambda *r: jnp.stack(r), *pool) if isinstance(pool, list) else pool
-    return {k: jax.tree.map(lambda *c: jnp.stack(c), *[rows(chunk[k]) for chunk in chunks]) for k in chunks[0]}
+        return stack_layers(pool) if isinstance(pool, list) else pool
+    return {k: stack_layers([rows(chunk[k]) for chunk in chunks]) for k in chunks[0]}
 
 
 def _paired(layers: dict, cast_once: frozenset, always: dict[str, set[int]]) -> dict:

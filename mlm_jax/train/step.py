@@ -17,6 +17,7 @@ from mlm_jax.config import MoEConfig
 from mlm_jax.model import axes as ax
 from mlm_jax.model.linear import CastWeight, path_names
 from mlm_jax.model.moe import balance_loss, moe_metrics
+from mlm_jax.model.transformer import layers_of, stack_layers
 from mlm_jax.ops.fp8 import is_history
 from mlm_jax.train.loss import head_loss, token_count
 from mlm_jax.train.state import TrainState
@@ -194,11 +195,10 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, count, stacks):
     counts = {k: jax.tree.leaves(params[k])[0].shape[0] for k in stacks}
 
     def spread(tree, take):
-        return {**dict(tree), **{k: [jax.tree.map(lambda w, i=i: take(w, i), tree[k]) for i in range(n)]
-                                 for k, n in counts.items()}}
+        return {**dict(tree), **{k: layers_of(tree[k], n, take) for k, n in counts.items()}}
 
     def gather(tree):
-        return {**tree, **{k: jax.tree.map(lambda *ws: jnp.stack(ws), *tree[k]) for k in stacks}}
+        return {**tree, **{k: stack_layers(tree[k]) for k in stacks}}
 
     layer_shardings = spread(plan.master_shardings, lambda s, _: jax.NamedSharding(s.mesh, P(*s.spec[1:])))
     loads_LE = _step_loads(plan, params, micro)
