@@ -79,36 +79,24 @@ def _sizes(layers: str | None, virtual: int, num_layers: int) -> tuple[int, ...]
 
 
 def stash_bytes(trainer, schedule) -> int:
-    """Bytes of the executor's residual stash: its slots (the most chunks live at once) of one chunk's residuals."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+    """Bytes of the executor's residual stash: its slots (the most chunks live at once) of one chunk's residuals, as
+    the step's own trace stashes them (inside the stage's `shard_map`, under the layout, from the paired weights):
+    each `Residuals.split` of the lowered step is counted."""
+    from mlm_jax.parallel import pipeline
 
-    from mlm_jax.parallel.pipeline import Residuals, _segments, _stash_plan
-    from mlm_jax.parallel.recompute import stash_policy
-    from mlm_jax.parallel.stages import run_chunk
+    split, sizes = pipeline.Residuals.split, []
 
-    cfg, layout = trainer.cfg, trainer.chunks
-    rows, S, dtype = cfg.train.global_batch_size // trainer.accum_steps, cfg.train.seq_len, jnp.dtype(cfg.model.dtype)
-    shapes = trainer.spec.shapes
-    slots = layout.chunk_slots
-    weights = {stack: jax.tree.map(lambda a: jax.ShapeDtypeStruct((pool.width, *a.shape[1:]), dtype), shapes[stack])
-               for stack, pool in layout.pools.items()}
-    x = jax.ShapeDtypeStruct((rows, S, cfg.model.hidden_size), dtype)
-    active = jnp.ones(layout.width, bool) if any(slots.optional) else None
-    local = jnp.asarray(layout.local[0, 0]) if None in slots.local else None
+    def counted(self, pullback, weights):
+        leaves = split(self, pullback, weights)
+        sizes.append(sum(a.size * a.dtype.itemsize for a in leaves))
+        return leaves
 
-    def residuals(params, weights, x):
-        model = nnx.merge(trainer.step_plan.graphdef, params)  # with the layout's kernels
-        positions = jnp.broadcast_to(jnp.arange(S), (rows, S))
-        chunk = jax.checkpoint(lambda w, x: run_chunk(model, x, positions, w, slots, active, local)[0],
-                               policy=stash_policy, prevent_cse=False)
-        return Residuals().split(jax.vjp(chunk, weights, x)[1], weights)
-
-    with trainer.setup.layout:
-        leaves = jax.eval_shape(residuals, shapes, weights, x)
-    slots = _stash_plan(schedule, _segments(schedule))[3]
-    return slots * sum(a.size * a.dtype.itemsize for a in leaves)
+    pipeline.Residuals.split = counted
+    try:
+        trainer._train_step.lower(trainer.abstract_state, trainer.batch_shapes())
+    finally:
+        pipeline.Residuals.split = split
+    return pipeline._stash_plan(schedule, pipeline._segments(schedule))[3] * max(sizes)
 
 
 def child(args, variant: str, out: str) -> dict:
