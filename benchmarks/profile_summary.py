@@ -53,8 +53,10 @@ def device_events(trace: dict) -> list[dict]:
 
 
 def fusion_origins(hlo_path: str) -> dict[str, str]:
-    """Kernel name (dots as underscores) -> the fusion's op_name (and source line, when recorded) in the HLO."""
-    origins = {}
+    """Kernel name (dots as underscores) -> the fusion's op_name (and source line, when recorded) in the HLO. XLA
+    compiles identical fusions once and launches that kernel under the first one's name (`deduplicated_name`), so
+    such a name's time is that of every fusion sharing it: their count is appended."""
+    origins, shared = {}, collections.Counter()
     rx = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = .*?\b(?:fusion|custom-call)\(.*?metadata=\{([^}]*)\}")
     with open(hlo_path) as f:
         for line in f:
@@ -64,7 +66,9 @@ def fusion_origins(hlo_path: str) -> dict[str, str]:
             meta = dict(re.findall(r'(\w+)="?([^"\s]*(?:\s[^"=]*)?)"?', m.group(2)))
             where = f" @ {os.path.basename(meta['source_file'])}:{meta.get('source_line')}" if "source_file" in meta else ""
             origins[m.group(1).replace(".", "_")] = meta.get("op_name", "")[-100:] + where
-    return origins
+            shared[meta.get("deduplicated_name", m.group(1)).replace(".", "_")] += 1
+    return {name: origin + (f"  (the kernel of {shared[name]} fusions)" if shared[name] > 1 else "")
+            for name, origin in origins.items()}
 
 
 def main(argv=None) -> int:
@@ -78,9 +82,10 @@ def main(argv=None) -> int:
     path = find_trace(args.path)
     with gzip.open(path, "rt") as f:
         events = device_events(json.load(f))
-    by_name, by_kind = collections.Counter(), collections.Counter()
+    by_name, by_kind, launches = collections.Counter(), collections.Counter(), collections.Counter()
     for e in events:
         by_name[e["name"]] += e["dur"]
+        launches[e["name"]] += 1
         by_kind[kind_of(e["name"])] += e["dur"]
     busy = sum(by_kind.values())
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) if events else 0
@@ -91,7 +96,8 @@ def main(argv=None) -> int:
         print(f"  {k:<20} {us / per:9.2f} ms/step  {100 * us / busy:5.1f}%")
     print(f"top {args.top} kernels:")
     for name, us in by_name.most_common(args.top):
-        print(f"  {us / per:9.2f} ms/step  {100 * us / busy:5.1f}%  [{kind_of(name)}] {name[:110]}")
+        print(f"  {us / per:9.2f} ms/step  {100 * us / busy:5.1f}%  {launches[name] / args.steps:6.0f}x  "
+              f"[{kind_of(name)}] {name[:110]}")
         if name in origins:
             print(f"{'':31}{origins[name]}")
     return 0
