@@ -465,10 +465,15 @@ def _chunk_layers(blocks, u: int, unrolled: bool) -> dict:
 
 
 def _stacked(chunks: list[dict]) -> dict:
-    """`_chunk_layers`' inverse over all chunks: per stack, (V, width, ...)."""
-    def rows(pool):
-        return stack_layers(pool) if isinstance(pool, list) else pool
-    return {k: stack_layers([rows(chunk[k]) for chunk in chunks]) for k in chunks[0]}
+    """`_chunk_layers`' inverse over all chunks: per stack, (V, width, ...). Lists of layers are stacked in one
+    concatenation: stacks of stacks keep XLA from fusing the AdamW update of the stacked weight, its moments and its
+    gradient's concatenation into one pass, and it then copies the moments before updating them."""
+    def one(pools):
+        if not isinstance(pools[0], list):
+            return stack_layers(pools)
+        flat = stack_layers([layer for pool in pools for layer in pool])  # (V * width, ...)
+        return jax.tree.map(lambda a: a.reshape(len(pools), -1, *a.shape[1:]), flat)
+    return {k: one([chunk[k] for chunk in chunks]) for k in chunks[0]}
 
 
 def _paired(layers: dict, cast_once: frozenset, always: dict[str, set[int]]) -> dict:
