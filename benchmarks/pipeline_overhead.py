@@ -49,14 +49,13 @@ def run_variant(args) -> dict:
         if trainer.degrees["stage"] != 1:
             raise ConfigError("pipeline_overhead measures the executor on a stage axis of size 1: leave "
                               "parallel.stage at 1")
-        stash = None
         if args.variant != "plain":
             kind, virtual = args.variant.split(":")
             schedule = SCHEDULES[kind](1, int(virtual), trainer.accum_steps)
             sizes = _sizes(args.layers, int(virtual), cfg.model.num_layers)
             trainer._build_steps(schedule, ChunkLayout(sizes, 1, int(virtual), layer_kinds(cfg.model)))
-            stash = stash_bytes(trainer, schedule)
         trainer.fit(args.warmup)
+        stash = trainer.stash and trainer.stash.total_bytes  # the executor's, from its trace
         times = [r["step_time_s"] for r in trainer.fit(args.steps) if "step_time_s" in r]
     stats = jax.devices()[0].memory_stats() or {}
     t = cfg.train
@@ -76,27 +75,6 @@ def _sizes(layers: str | None, virtual: int, num_layers: int) -> tuple[int, ...]
         raise ConfigError(f"--layers {layers}: expected {virtual} sizes (one per virtual chunk) summing to "
                           f"model.num_layers={num_layers}")
     return sizes
-
-
-def stash_bytes(trainer, schedule) -> int:
-    """Bytes of the executor's residual stash: its slots (the most chunks live at once) of one chunk's residuals, as
-    the step's own trace stashes them (inside the stage's `shard_map`, under the layout, from the paired weights):
-    each `Residuals.split` of the lowered step is counted."""
-    from mlm_jax.parallel import pipeline
-
-    split, sizes = pipeline.Residuals.split, []
-
-    def counted(self, pullback, weights):
-        leaves = split(self, pullback, weights)
-        sizes.append(sum(a.size * a.dtype.itemsize for a in leaves))
-        return leaves
-
-    pipeline.Residuals.split = counted
-    try:
-        trainer._train_step.lower(trainer.abstract_state, trainer.batch_shapes())
-    finally:
-        pipeline.Residuals.split = split
-    return pipeline._stash_plan(schedule, pipeline._segments(schedule))[3] * max(sizes)
 
 
 def child(args, variant: str, out: str) -> dict:

@@ -10,6 +10,7 @@ import pytest
 from layouts import assert_matches, fit, reference
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError
+from mlm_jax.parallel.pipeline import _segments, _stash_plan
 from mlm_jax.validation.plan import check_degrees
 
 BASE = ["model.dtype=float32", "model.num_layers=8", "train.steps=3", "train.log_every=1", "train.eval_every=0",
@@ -60,6 +61,23 @@ CASES = [(layout, schedule) for layout in LAYOUTS for schedule in ("1f1b", "zb1"
 def test_pipeline_matches_single_device(layout, schedule, single_device, tmp_path):
     got = fit(BASE, LAYOUTS[layout] + [f"parallel.pipeline_schedule={schedule}"], 8, tmp_path)
     assert_matches(got, single_device(LAYOUTS[layout]))
+    assert_stash_reported(got.trainer, schedule)
+
+
+def assert_stash_reported(trainer, schedule):
+    """The executor tells the trainer its stash: the plan's slots of a chunk's residuals, which hold at least
+    the input of every layer of the widest chunk (fp32, the stage's whole microbatch), and zb1's cotangents."""
+    if schedule == "gpipe":
+        assert trainer.stash is None
+        return
+    s, cfg, stash = trainer.schedule, trainer.cfg, trainer.stash
+    _, _, _, slots, _, _, cotangent_slots = _stash_plan(s, _segments(s))
+    rows = cfg.train.global_batch_size // s.microbatches
+    assert stash.slots == slots
+    assert stash.residual_bytes >= max(trainer.chunks.sizes) * rows * cfg.train.seq_len * cfg.model.hidden_size * 4
+    assert (stash.cotangent_slots, stash.cotangent_bytes > 0) == ((cotangent_slots, True) if schedule == "zb1"
+                                                                  else (0, False))
+    assert stash.total_bytes == slots * stash.residual_bytes + stash.cotangent_slots * stash.cotangent_bytes
 
 
 def test_layers_whole_on_every_stage_when_the_stages_do_not_divide_them(single_device, tmp_path):

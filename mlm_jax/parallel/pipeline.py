@@ -21,6 +21,7 @@ Shapes: M microbatches, b rows each, S sequence, D model.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -111,22 +112,50 @@ def _layout(params, schedule: Schedule, layout: ChunkLayout | None) -> ChunkLayo
     return layout
 
 
+@dataclasses.dataclass(frozen=True)
+class Stash:
+    """What a stage keeps from a chunk's forward to its backward (1F1B, zb1): `slots` of one chunk's residuals
+    (`residual_bytes`) and, for a split schedule, `cotangent_slots` of the cotangents its deferred W reads
+    (`cotangent_bytes`), in bytes of the stage's program: shapes whole over the mesh axes other than `stage`, which
+    XLA then splits."""
+
+    slots: int
+    residual_bytes: int
+    cotangent_slots: int = 0
+    cotangent_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slots * self.residual_bytes + self.cotangent_slots * self.cotangent_bytes
+
+    def describe(self) -> str:
+        cotangents = f" and {self.cotangent_slots} of W's cotangents" if self.cotangent_slots else ""
+        return f"{self.slots} slots of a chunk's residuals{cotangents}, {self.total_bytes / 2**30:.2f} GiB a stage"
+
+
+def _bytes(shapes) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+
+
 def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, count, *, mesh: Mesh, schedule: Schedule,
                             loss_fn: Callable, compute_dtype=jnp.float32, moe=None,
-                            layout: ChunkLayout | None = None, cast_once: frozenset = frozenset()) -> tuple[dict, dict]:
+                            layout: ChunkLayout | None = None, cast_once: frozenset = frozenset(),
+                            on_stash: Callable[[Stash], None] | None = None) -> tuple[dict, dict]:
     """(metrics, gradient with respect to `params`) of the batch, computed by `schedule` over the chunks of
     `layout` (even by default): the cross-entropy over the step's `count` of target tokens (`train.loss`) as
     `metrics["loss"]` and, for an MoE model (`moe`, its config), the MoE losses in the objective and their statistics
     in the metrics, as the plain step reports them. `loss_fn(model, y_bSD, targets_bS, weights_BS=, count=)`: a
     microbatch's share of the cross-entropy from the last chunk's output (`train.loss.head_loss`). `cast_once`: the
     kernels (paths from the parameters' root) whose weight gradients 1F1B and zb1 take as fp32 products
-    (`linear.CastWeight`), as accumulation per layer does."""
+    (`linear.CastWeight`), as accumulation per layer does. `on_stash` is told the stash's size when the step is
+    traced (not for GPipe, whose backward autodiff keeps)."""
     layout = _layout(params, schedule, layout)
     stacks, rest, data = _split(params, batch, schedule.microbatches, layout, count)
     kw = dict(mesh=mesh, schedule=schedule, loss_fn=loss_fn, layout=layout, moe=moe)
     if schedule.kind == "gpipe":
         return _gpipe(graphdef, stacks, rest, data, **kw)
-    return _one_f_one_b(graphdef, stacks, rest, data, compute_dtype=compute_dtype, cast_once=cast_once, **kw)
+    return _one_f_one_b(graphdef, stacks, rest, data, compute_dtype=compute_dtype, cast_once=cast_once,
+                        on_stash=on_stash, **kw)
 
 
 def pipeline_loss(graphdef: nnx.GraphDef, params, batch, count, *, mesh: Mesh, schedule: Schedule,
@@ -301,7 +330,8 @@ def _stash_plan(schedule: Schedule, segments):
             _read(w_rows, cot_where), cot_slots)
 
 
-def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layout, compute_dtype, moe, cast_once):
+def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layout, compute_dtype, moe, cast_once,
+                 on_stash):
     """Circular 1F1B (and zb1): the forward slot runs a chunk under `jax.vjp` and stashes its residuals, the
     backward slot rebuilds that pullback; no chunk is computed twice. zb1's deferred ticks split the backward
     into B (input gradient; the cotangents W needs are stashed) and a W slot that runs where the table says.
@@ -369,6 +399,9 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
             shapes = jax.eval_shape(lambda x, m, u=u: forward(x, u, m)[1], x0, 0)
             assert shapes == res0 and (not split or analysed[u].kept_shapes == analysed[0].kept_shapes), u
         zero_act = jnp.zeros(y0.shape, y0.dtype)
+        if on_stash is not None:
+            on_stash(Stash(res_slots, _bytes(res0), cot_slots if split else 0,
+                           _bytes(analysed[0].kept_shapes) if split else 0))
 
         def head(y, loss, g_rest, ok, m):
             """The loss of the last chunk's output added to `loss`, the head's gradient to `g_rest`, and the

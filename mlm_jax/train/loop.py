@@ -24,7 +24,7 @@ from mlm_jax.model.linear import master_kernels
 from mlm_jax.model.transformer import STACKS, layer_kinds, model_spec
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import shared_time
-from mlm_jax.parallel.pipeline import pipeline_loss, pipeline_value_and_grad
+from mlm_jax.parallel.pipeline import Stash, pipeline_loss, pipeline_value_and_grad
 from mlm_jax.parallel.schedule import SCHEDULES, Schedule
 from mlm_jax.parallel.stages import ChunkLayout, chunk_sizes
 from mlm_jax.setup import setup
@@ -199,6 +199,7 @@ class Trainer:
                                        if path[0] in STACKS)
 
         self.schedule, self.chunks, pipeline, forward = schedule, None, None, None
+        self.stash: Stash | None = None  # the executor's, told when the step is traced
         if schedule is not None:
             split = p.pipeline_layers if self.degrees["stage"] > 1 else "even"
             self.chunks = chunks or ChunkLayout(chunk_sizes(split, cfg.model, cfg.train.seq_len, schedule.stages,
@@ -207,7 +208,7 @@ class Trainer:
             kw = dict(mesh=self.mesh, schedule=schedule, moe=moe, layout=self.chunks,
                       loss_fn=functools.partial(head_loss, chunks=cfg.train.loss_chunks))
             pipeline = functools.partial(pipeline_value_and_grad, eval_graphdef, compute_dtype=compute_dtype,
-                                         cast_once=masters()[1], **kw)
+                                         cast_once=masters()[1], on_stash=self._note_stash, **kw)
             forward = functools.partial(pipeline_loss, eval_graphdef, **kw)
         step_plan = StepPlan(
             graphdef=eval_graphdef, accum_steps=self.accum_steps, master_shardings=self.master_shardings,
@@ -368,6 +369,9 @@ class Trainer:
         return {k: jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), v.dtype, sharding=self.batch_sharding)
                 for k, v in self.loader.fields(0, 0, 1).items()}
 
+    def _note_stash(self, stash: Stash) -> None:
+        self.stash = stash
+
     def compile_step(self) -> jax.stages.Compiled:
         """The train step compiled from the state's and the batch's shapes (nothing is made or moved): what `fit`
         runs, and what the layout planner reads (`mlm_jax.plan`)."""
@@ -435,7 +439,8 @@ class Trainer:
             s = self.schedule
             print(f"pipeline: {s.kind}, {s.stages} stages x {s.virtual} virtual, {s.microbatches} microbatches, "
                   f"{s.ticks} ticks, bubble {100 * s.bubble():.1f}% | layers per chunk: "
-                  f"{', '.join(map(str, self.chunks.sizes))}")
+                  f"{', '.join(map(str, self.chunks.sizes))}" + (
+                      f" | stash: {self.stash.describe()}" if self.stash else ""))
         moe, microbatches = cfg.model.moe, self.schedule.microbatches if self.schedule else self.accum_steps
         if moe.enabled and moe.aux_loss_coef > 0 and moe.aux_loss_scope == "microbatch" and microbatches > 1:
             print(f"moe: the load-balancing loss counts the expert loads of each of the {microbatches} microbatches "
