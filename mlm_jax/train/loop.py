@@ -193,7 +193,9 @@ class Trainer:
         def masters():
             """(graphdef, kernel paths) of the products whose weight gradient can come as an fp32 product
             (`linear.CastWeight`): accumulated per layer, in plain accumulation or a pipeline's chunks, XLA adds it
-            into the layer's fp32 sum in the epilogue. Built only for such steps (one abstract trace of the model)."""
+            into the layer's fp32 sum in the epilogue. Both steps run this graphdef, so that the other products (the
+            head's) also take their weight gradients as fp32 products, never rounded to bf16 before the sum. Built
+            only for such steps (one abstract trace of the model)."""
             graphdef = model_spec(cfg.model, dataclasses.replace(su.kernels, master=True)).graphdef
             return graphdef, frozenset(path for path in master_kernels(nnx.merge(graphdef, self.spec.shapes))
                                        if path[0] in STACKS)
@@ -207,7 +209,7 @@ class Trainer:
                                                 layer_kinds(cfg.model))
             kw = dict(mesh=self.mesh, schedule=schedule, moe=moe, layout=self.chunks,
                       loss_fn=functools.partial(head_loss, chunks=cfg.train.loss_chunks))
-            pipeline = functools.partial(pipeline_value_and_grad, eval_graphdef, compute_dtype=compute_dtype,
+            pipeline = functools.partial(pipeline_value_and_grad, masters()[0], compute_dtype=compute_dtype,
                                          cast_once=masters()[1], on_stash=self._note_stash, **kw)
             forward = functools.partial(pipeline_loss, eval_graphdef, **kw)
         step_plan = StepPlan(
