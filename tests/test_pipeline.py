@@ -140,17 +140,18 @@ def test_pipelined_evaluation_equals_plain_evaluation(layout, tmp_path):
     np.testing.assert_allclose(piped.evaluate(), plain.evaluate(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_the_heads_weight_gradient_is_an_fp32_product_as_in_plain_accumulation(schedule, tmp_path):
+HEAD_RUNS = {"plain": ["parallel.data=8", "train.num_microbatches=2", "model.scan_layers=false"],
+             **{s: ["parallel.stage=2", "parallel.data=4", f"parallel.pipeline_schedule={s}"] for s in ("1f1b", "gpipe")}}
+
+
+@pytest.mark.parametrize("run", list(HEAD_RUNS))
+def test_the_heads_weight_gradient_is_an_fp32_product_as_in_plain_accumulation(run, tmp_path):
     """bf16: every microbatch's gradient of the head's kernel comes out of its product in fp32 and is summed so, as
     plain accumulation's does (`linear.master_einsum`), never rounded to bf16 first: each product with the kernel's
     shape in the lowered step (its weight gradients; the logits and the input gradient have activation shapes)."""
-    common = BASE + ["model.dtype=bfloat16", "model.num_layers=4", f"train.output_dir={tmp_path}"]
-    runs = {"plain": ["parallel.data=8", "train.num_microbatches=2", "model.scan_layers=false"],
-            "pipelined": ["parallel.stage=2", "parallel.data=4", f"parallel.pipeline_schedule={schedule}"]}
-    for name, overrides in runs.items():
-        trainer = Trainer(load_config(None, common + overrides), devices=jax.devices())
-        d, v = trainer.state.params["head"]["kernel"].shape
-        text = trainer._train_step.lower(trainer.abstract_state, trainer.batch_shapes()).as_text()
-        products = re.findall(rf"stablehlo\.dot_general.*-> tensor<(?:{d}x{v}|{v}x{d})x(\w+)>", text)
-        assert products and set(products) == {"f32"}, (name, products)
+    overrides = BASE + ["model.dtype=bfloat16", "model.num_layers=4", f"train.output_dir={tmp_path}"] + HEAD_RUNS[run]
+    trainer = Trainer(load_config(None, overrides), devices=jax.devices())
+    d, v = trainer.state.params["head"]["kernel"].shape
+    text = trainer._train_step.lower(trainer.abstract_state, trainer.batch_shapes()).as_text()
+    products = re.findall(rf"stablehlo\.dot_general.*-> tensor<(?:{d}x{v}|{v}x{d})x(\w+)>", text)
+    assert products and set(products) == {"f32"}, products
