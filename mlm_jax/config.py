@@ -255,6 +255,9 @@ class TrainConfig:
     eval_batches: int = positive(4)
     # skip: drop the update and count it; stop: save the last good state and exit (checked on logged steps)
     nan_policy: str = choice("skip", "stop")
+    # the train step's matrix products on GPUs: xla = XLA's autotuner picks Triton or cuBLAS for each; cublas =
+    # cuBLAS for every one; auto = cublas where the step runs microbatches, else xla (`validation.plan.matmuls`)
+    matmul_impl: str = choice("auto", "xla", "cublas")
 
 
 @dataclass(frozen=True)

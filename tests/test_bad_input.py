@@ -107,6 +107,8 @@ CASES = [
     case("seq-len-by-context", ["parallel.context=8", "parallel.data=1", "train.seq_len=100"], "train.seq_len=100",
          "2 x parallel.context=8"),
     case("loss-chunks", ["train.loss_chunks=3"], "train.loss_chunks=3", "train.seq_len=32"),
+    case("matmul-impl", ["train.matmul_impl=triton"], "train.matmul_impl='triton'", "auto, xla, cublas"),
+    case("cublas-on-cpu", ["train.matmul_impl=cublas"], "train.matmul_impl=cublas", "use train.matmul_impl=auto"),
     case("loss-chunks-by-context", ["parallel.context=4", "parallel.data=2", "train.loss_chunks=16"],
          "train.loss_chunks=16 x parallel.context=4", "train.seq_len=32"),
     case("context-strategy", ["parallel.context_strategy=zigzag"], "parallel.context_strategy='zigzag'",

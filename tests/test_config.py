@@ -8,7 +8,7 @@ import pytest
 from mlm_jax import load_config
 from mlm_jax.config import Config, ConfigError, to_yaml
 from mlm_jax.ops import grouped_matmul
-from mlm_jax.validation.plan import _check_backend, check_degrees, plan
+from mlm_jax.validation.plan import TRITON_GEMM, _check_backend, check_degrees, matmuls, plan
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -242,6 +242,19 @@ def test_plan_names_the_kernels_chosen_and_why_auto_fell_back():
     capacity = plan(load_config(overrides=["model.moe.num_experts=4", "model.moe.capacity_factor=1.0"]),
                     jax.devices())
     assert capacity.experts.startswith("capacity")
+
+
+def test_matmul_impl_turns_tritons_gemms_off_on_gpus_where_the_step_runs_microbatches():
+    off = {TRITON_GEMM: False}
+    assert matmuls("auto", "gpu", 4, "")[0] == off and matmuls("auto", "gpu", 1, "")[0] == {}
+    assert matmuls("cublas", "gpu", 1, "")[0] == off and matmuls("xla", "gpu", 8, "")[0] == {}
+    # the user's XLA_FLAGS decide over auto, not over an explicit choice
+    assert matmuls("auto", "gpu", 4, f"--{TRITON_GEMM}=true") == ({}, f"as XLA_FLAGS sets --{TRITON_GEMM}")
+    assert matmuls("cublas", "gpu", 4, f"--{TRITON_GEMM}=true")[0] == off
+    assert matmuls("auto", "cpu", 4, "") == ({}, None) and matmuls("xla", "cpu", 1, "") == ({}, None)
+    with pytest.raises(ConfigError, match="train.matmul_impl=cublas: cuBLAS needs GPUs, the devices here are cpu"):
+        plan(load_config(overrides=["train.matmul_impl=cublas"]), jax.devices())
+    assert plan(load_config(overrides=["train.num_microbatches=2"]), jax.devices()).compiler_options == {}
 
 
 def test_hopper_experts_compiled_without_a_gpu_take_the_compile_only_weight_gradient():

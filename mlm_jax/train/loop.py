@@ -234,11 +234,12 @@ class Trainer:
         shardings = state_shardings(self._abstract)
         batch_shardings = dict.fromkeys(self.loader.keys, self.batch_sharding)
         kept = (self.master_shardings,) if self.keep_gradients else ()
+        options = self.plan.compiler_options or None  # `train.matmul_impl`
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
-                                   out_shardings=(shardings, None, *kept), donate_argnums=0)
+                                   out_shardings=(shardings, None, *kept), donate_argnums=0, compiler_options=options)
         self._grads = jax.jit(functools.partial(gradients, step_plan),
                               in_shardings=(self.master_shardings, batch_shardings),
-                              out_shardings=(None, self.master_shardings))
+                              out_shardings=(None, self.master_shardings), compiler_options=options)
         self._eval_step = jax.jit(eval_step, in_shardings=(self.master_shardings, batch_shardings))
         self._compiled = None
 
@@ -436,7 +437,8 @@ class Trainer:
         print(f"data: {self.data.description}")
         print(self.memory.describe())
         experts = f" | experts: {self.plan.experts}" if self.plan.experts else ""  # what `plan.kernels` runs
-        print(f"kernels: attention: {self.plan.attention}{experts}")
+        products = f" | matmuls: {self.plan.matmuls}" if self.plan.matmuls else ""
+        print(f"kernels: attention: {self.plan.attention}{experts}{products}")
         if self.schedule is not None:
             s = self.schedule
             print(f"pipeline: {s.kind}, {s.stages} stages x {s.virtual} virtual, {s.microbatches} microbatches, "

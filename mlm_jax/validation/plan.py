@@ -261,6 +261,8 @@ class Plan:
     kernels: Kernels
     attention: str
     experts: str | None
+    matmuls: str | None = None  # the train step's products (`matmuls`), None off GPUs
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # XLA's, for the train step (`matmuls`)
 
 
 def plan(cfg: Config, devices) -> Plan:
@@ -272,9 +274,33 @@ def plan(cfg: Config, devices) -> Plan:
     kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind,
                                             getattr(devices[0], "compute_capability", ""),
                                             gpu_here=jax.default_backend() == "gpu")
+    options, products = matmuls(cfg.train.matmul_impl, devices[0].platform, M, os.environ.get("XLA_FLAGS", ""))
     _check_eval_tasks(cfg)
     _check_dashboards(cfg)
-    return Plan(degrees, M, kernels, attn, experts)
+    return Plan(degrees, M, kernels, attn, experts, products, options)
+
+
+TRITON_GEMM = "xla_gpu_enable_triton_gemm"
+
+
+def matmuls(impl: str, platform: str, microbatches: int, xla_flags: str) -> tuple[dict, str | None]:
+    """`train.matmul_impl` resolved: (the train step's XLA compiler options, their name for the start-up report).
+
+    XLA's autotuner times Triton against cuBLAS for each product alone and keeps the faster; for a microbatch's
+    smaller products it keeps Triton more often, and in the step those run slower than cuBLAS would (llama-1b on an
+    H100: cuBLAS for every product +2.0% at 4 microbatches and +1.4% at 8, -0.9% for one batch of 8; RESULTS.md,
+    2026-12-06). So auto turns Triton's GEMMs off where the step runs microbatches, unless `XLA_FLAGS` already
+    says (the user's flag decides)."""
+    if platform != "gpu":
+        if impl == "cublas":
+            raise ConfigError(f"train.matmul_impl=cublas: cuBLAS needs GPUs, the devices here are {platform}; use "
+                              f"train.matmul_impl=auto or xla")
+        return {}, None
+    if impl == "auto" and TRITON_GEMM in xla_flags:
+        return {}, f"as XLA_FLAGS sets --{TRITON_GEMM}"
+    if impl == "cublas" or (impl == "auto" and microbatches > 1):
+        return {TRITON_GEMM: False}, "cublas" + (f" (auto: {microbatches} microbatches)" if impl == "auto" else "")
+    return {}, "xla (its autotuner: Triton or cuBLAS per product)"
 
 
 def _check_dashboards(cfg: Config) -> None:
