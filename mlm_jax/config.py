@@ -256,7 +256,8 @@ class TrainConfig:
     # skip: drop the update and count it; stop: save the last good state and exit (checked on logged steps)
     nan_policy: str = choice("skip", "stop")
     # the train step's matrix products on GPUs: xla = XLA's autotuner picks Triton or cuBLAS for each; cublas =
-    # cuBLAS for every one; auto = cublas where the step runs microbatches, else xla (`validation.plan.matmuls`)
+    # cuBLAS for every one; auto = cublas where the step accumulates microbatches without pipeline stages, else
+    # xla (`validation.plan.matmuls`)
     matmul_impl: str = choice("auto", "xla", "cublas")
 
 

@@ -244,14 +244,15 @@ def test_plan_names_the_kernels_chosen_and_why_auto_fell_back():
     assert capacity.experts.startswith("capacity")
 
 
-def test_matmul_impl_turns_tritons_gemms_off_on_gpus_where_the_step_runs_microbatches():
+def test_matmul_impl_turns_tritons_gemms_off_on_gpus_where_the_step_accumulates_microbatches():
     off = {TRITON_GEMM: False}
-    assert matmuls("auto", "gpu", 4, "")[0] == off and matmuls("auto", "gpu", 1, "")[0] == {}
-    assert matmuls("cublas", "gpu", 1, "")[0] == off and matmuls("xla", "gpu", 8, "")[0] == {}
+    assert matmuls("auto", "gpu", 4, False, "")[0] == off and matmuls("auto", "gpu", 1, False, "")[0] == {}
+    assert matmuls("auto", "gpu", 8, True, "")[0] == {}  # the pipeline executor keeps XLA's choice
+    assert matmuls("cublas", "gpu", 1, True, "")[0] == off and matmuls("xla", "gpu", 8, False, "")[0] == {}
     # the user's XLA_FLAGS decide over auto, not over an explicit choice
-    assert matmuls("auto", "gpu", 4, f"--{TRITON_GEMM}=true") == ({}, f"as XLA_FLAGS sets --{TRITON_GEMM}")
-    assert matmuls("cublas", "gpu", 4, f"--{TRITON_GEMM}=true")[0] == off
-    assert matmuls("auto", "cpu", 4, "") == ({}, None) and matmuls("xla", "cpu", 1, "") == ({}, None)
+    assert matmuls("auto", "gpu", 4, False, f"--{TRITON_GEMM}=true") == ({}, f"as XLA_FLAGS sets --{TRITON_GEMM}")
+    assert matmuls("cublas", "gpu", 4, False, f"--{TRITON_GEMM}=true")[0] == off
+    assert matmuls("auto", "cpu", 4, False, "") == ({}, None) and matmuls("xla", "cpu", 1, False, "") == ({}, None)
     with pytest.raises(ConfigError, match="train.matmul_impl=cublas: cuBLAS needs GPUs, the devices here are cpu"):
         plan(load_config(overrides=["train.matmul_impl=cublas"]), jax.devices())
     assert plan(load_config(overrides=["train.num_microbatches=2"]), jax.devices()).compiler_options == {}

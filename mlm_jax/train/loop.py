@@ -37,6 +37,7 @@ from mlm_jax.train.optimizer import make_optimizer, schedule
 from mlm_jax.train.state import TrainState, abstract_state, init_params, init_state, opt_state_shardings, state_shardings
 from mlm_jax.train.step import StepPlan, eval_loss, gradients, train_step
 from mlm_jax.validation.config import check_resume, check_weights
+from mlm_jax.validation.plan import matmuls
 
 
 class TrainingStopped(RuntimeError):
@@ -234,7 +235,11 @@ class Trainer:
         shardings = state_shardings(self._abstract)
         batch_shardings = dict.fromkeys(self.loader.keys, self.batch_sharding)
         kept = (self.master_shardings,) if self.keep_gradients else ()
-        options = self.plan.compiler_options or None  # `train.matmul_impl`
+        options, self.matmuls = self.plan.compiler_options, self.plan.matmuls  # `train.matmul_impl`
+        if schedule is not None and self.degrees["stage"] == 1:  # the executor on one stage (`pipeline_overhead`)
+            options, self.matmuls = matmuls(cfg.train.matmul_impl, self.mesh.devices.flat[0].platform,
+                                            self.accum_steps, pipelined=True)
+        options = options or None
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
                                    out_shardings=(shardings, None, *kept), donate_argnums=0, compiler_options=options)
         self._grads = jax.jit(functools.partial(gradients, step_plan),
@@ -437,7 +442,7 @@ class Trainer:
         print(f"data: {self.data.description}")
         print(self.memory.describe())
         experts = f" | experts: {self.plan.experts}" if self.plan.experts else ""  # what `plan.kernels` runs
-        products = f" | matmuls: {self.plan.matmuls}" if self.plan.matmuls else ""
+        products = f" | matmuls: {self.matmuls}" if self.matmuls else ""
         print(f"kernels: attention: {self.plan.attention}{experts}{products}")
         if self.schedule is not None:
             s = self.schedule

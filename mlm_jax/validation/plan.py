@@ -274,7 +274,7 @@ def plan(cfg: Config, devices) -> Plan:
     kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind,
                                             getattr(devices[0], "compute_capability", ""),
                                             gpu_here=jax.default_backend() == "gpu")
-    options, products = matmuls(cfg.train.matmul_impl, devices[0].platform, M, os.environ.get("XLA_FLAGS", ""))
+    options, products = matmuls(cfg.train.matmul_impl, devices[0].platform, M, degrees["stage"] > 1)
     _check_eval_tasks(cfg)
     _check_dashboards(cfg)
     return Plan(degrees, M, kernels, attn, experts, products, options)
@@ -283,22 +283,25 @@ def plan(cfg: Config, devices) -> Plan:
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 
 
-def matmuls(impl: str, platform: str, microbatches: int, xla_flags: str) -> tuple[dict, str | None]:
+def matmuls(impl: str, platform: str, microbatches: int, pipelined: bool, xla_flags: str | None = None
+            ) -> tuple[dict, str | None]:
     """`train.matmul_impl` resolved: (the train step's XLA compiler options, their name for the start-up report).
 
     XLA's autotuner times Triton against cuBLAS for each product alone and keeps the faster; for a microbatch's
-    smaller products it keeps Triton more often, and in the step those run slower than cuBLAS would (llama-1b on an
-    H100: cuBLAS for every product +2.0% at 4 microbatches and +1.4% at 8, -0.9% for one batch of 8; RESULTS.md,
-    2026-12-06). So auto turns Triton's GEMMs off where the step runs microbatches, unless `XLA_FLAGS` already
-    says (the user's flag decides)."""
+    smaller products it keeps Triton more often, and in the step those run slower than cuBLAS would: llama-1b on an
+    H100 with cuBLAS for every product, +2.0-2.3% at 4 microbatches, +1.4-1.9% at 8 and +2.2% for the 3B shape at 4,
+    -0.9% for one batch of 8 (RESULTS.md, 2026-12-06). In the pipeline executor it gained 0.8% but raised the peak
+    memory by 0.7 GiB (1.7 with unequal chunks). So auto turns Triton's GEMMs off where the step accumulates
+    microbatches outside the pipeline executor, unless `XLA_FLAGS` (`xla_flags`, the environment's by default)
+    already says: the user's flag decides."""
     if platform != "gpu":
         if impl == "cublas":
             raise ConfigError(f"train.matmul_impl=cublas: cuBLAS needs GPUs, the devices here are {platform}; use "
                               f"train.matmul_impl=auto or xla")
         return {}, None
-    if impl == "auto" and TRITON_GEMM in xla_flags:
+    if impl == "auto" and TRITON_GEMM in (os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags):
         return {}, f"as XLA_FLAGS sets --{TRITON_GEMM}"
-    if impl == "cublas" or (impl == "auto" and microbatches > 1):
+    if impl == "cublas" or (impl == "auto" and microbatches > 1 and not pipelined):
         return {TRITON_GEMM: False}, "cublas" + (f" (auto: {microbatches} microbatches)" if impl == "auto" else "")
     return {}, "xla (its autotuner: Triton or cuBLAS per product)"
 
