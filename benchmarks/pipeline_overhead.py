@@ -30,6 +30,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from mlm_jax import ConfigError, load_config  # noqa: E402  (light: no jax)
+from mlm_jax.parallel.schedule import SCHEDULES  # noqa: E402  (tables only)
 
 
 def run_variant(args) -> dict:
@@ -37,7 +38,6 @@ def run_variant(args) -> dict:
     import jax
 
     from mlm_jax.model.transformer import layer_kinds
-    from mlm_jax.parallel.schedule import SCHEDULES
     from mlm_jax.parallel.stages import ChunkLayout
     from mlm_jax.train.loop import Trainer
 
@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", help="YAML file (configs/*.yaml); defaults to the tiny CPU model")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--virtual", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--schedules", nargs="+", default=["1f1b"])
+    p.add_argument("--schedules", nargs="+", default=["1f1b"], choices=sorted(SCHEDULES),
+                   help="give section.key=value overrides before this option")
     p.add_argument("--layers", help="layers per virtual chunk, comma-separated (default: an even split)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
