@@ -235,11 +235,8 @@ class Trainer:
         shardings = state_shardings(self._abstract)
         batch_shardings = dict.fromkeys(self.loader.keys, self.batch_sharding)
         kept = (self.master_shardings,) if self.keep_gradients else ()
-        options, self.matmuls = self.plan.compiler_options, self.plan.matmuls  # `train.matmul_impl`
-        if schedule is not None and self.degrees["stage"] == 1:  # the executor on one stage (`pipeline_overhead`)
-            options, self.matmuls = matmuls(cfg.train.matmul_impl, self.mesh.devices.flat[0].platform,
-                                            self.accum_steps, pipelined=True)
-        options = options or None
+        options, self.matmuls = matmuls(cfg.train.matmul_impl, self.mesh.devices.flat[0].platform, self.accum_steps,
+                                        pipelined=schedule is not None)
         self._train_step = jax.jit(step, in_shardings=(shardings, batch_shardings),
                                    out_shardings=(shardings, None, *kept), donate_argnums=0, compiler_options=options)
         self._grads = jax.jit(functools.partial(gradients, step_plan),

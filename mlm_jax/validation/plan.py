@@ -261,8 +261,6 @@ class Plan:
     kernels: Kernels
     attention: str
     experts: str | None
-    matmuls: str | None = None  # the train step's products (`matmuls`), None off GPUs
-    compiler_options: dict = dataclasses.field(default_factory=dict)  # XLA's, for the train step (`matmuls`)
 
 
 def plan(cfg: Config, devices) -> Plan:
@@ -274,10 +272,10 @@ def plan(cfg: Config, devices) -> Plan:
     kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind,
                                             getattr(devices[0], "compute_capability", ""),
                                             gpu_here=jax.default_backend() == "gpu")
-    options, products = matmuls(cfg.train.matmul_impl, devices[0].platform, M, degrees["stage"] > 1)
+    matmuls(cfg.train.matmul_impl, devices[0].platform, M, degrees["stage"] > 1)  # refuses cublas off GPUs
     _check_eval_tasks(cfg)
     _check_dashboards(cfg)
-    return Plan(degrees, M, kernels, attn, experts, products, options)
+    return Plan(degrees, M, kernels, attn, experts)
 
 
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
@@ -285,7 +283,8 @@ TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 
 def matmuls(impl: str, platform: str, microbatches: int, pipelined: bool, xla_flags: str | None = None
             ) -> tuple[dict, str | None]:
-    """`train.matmul_impl` resolved: (the train step's XLA compiler options, their name for the start-up report).
+    """`train.matmul_impl` resolved: (the train step's XLA compiler options, their name for the start-up report);
+    `pipelined`: the step runs the pipeline executor. `plan` calls it for its check, the trainer for its step.
 
     XLA's autotuner times Triton against cuBLAS for each product alone and keeps the faster; for a microbatch's
     smaller products it keeps Triton more often, and in the step those run slower than cuBLAS would: llama-1b on an
