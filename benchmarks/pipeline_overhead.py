@@ -53,7 +53,7 @@ def run_variant(args) -> dict:
             kind, virtual = args.variant.split(":")
             schedule = SCHEDULES[kind](1, int(virtual), trainer.accum_steps)
             sizes = _sizes(args.layers, int(virtual), cfg.model.num_layers)
-            trainer._build_steps(schedule, ChunkLayout(sizes, 1, int(virtual), layer_kinds(cfg.model)))
+            trainer.build_steps(schedule, ChunkLayout(sizes, 1, int(virtual), layer_kinds(cfg.model)))
         trainer.fit(args.warmup)
         stash = trainer.stash and trainer.stash.total_bytes  # the executor's, from its trace
         times = [r["step_time_s"] for r in trainer.fit(args.steps) if "step_time_s" in r]

@@ -69,7 +69,7 @@ class Trainer:
 
         self._build_data()
         self._build_state()
-        self._build_steps()
+        self.build_steps()
 
         self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.spec.shapes))
         t = cfg.train
@@ -178,7 +178,7 @@ class Trainer:
         self.resumed_from = f"{directory}/{meta['step']}" + (f" ({', '.join(noted)})" if noted else "")
         return state
 
-    def _build_steps(self, schedule: Schedule | None = None, chunks: ChunkLayout | None = None) -> None:
+    def build_steps(self, schedule: Schedule | None = None, chunks: ChunkLayout | None = None) -> None:
         """Jits the train, gradient and eval steps; `schedule` and `chunks` (the config's pipeline and layer split
         by default) may also run the pipeline executor on a stage axis of size 1, which
         `benchmarks/pipeline_overhead.py` measures."""
