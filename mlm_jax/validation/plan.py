@@ -272,7 +272,7 @@ def plan(cfg: Config, devices) -> Plan:
     kernels, attn, experts = _check_backend(cfg, degrees, devices[0].platform, devices[0].device_kind,
                                             getattr(devices[0], "compute_capability", ""),
                                             gpu_here=jax.default_backend() == "gpu")
-    matmuls(cfg.train.matmul_impl, devices[0].platform, M, degrees["stage"] > 1)  # refuses cublas off GPUs
+    _check_matmul_impl(cfg.train.matmul_impl, devices[0].platform)
     _check_eval_tasks(cfg)
     _check_dashboards(cfg)
     return Plan(degrees, M, kernels, attn, experts)
@@ -281,10 +281,17 @@ def plan(cfg: Config, devices) -> Plan:
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 
 
+def _check_matmul_impl(impl: str, platform: str) -> None:
+    if impl == "cublas" and platform != "gpu":
+        raise ConfigError(f"train.matmul_impl=cublas: cuBLAS needs GPUs, the devices here are {platform}; use "
+                          f"train.matmul_impl=auto or xla")
+
+
 def matmuls(impl: str, platform: str, microbatches: int, pipelined: bool, xla_flags: str | None = None
             ) -> tuple[dict, str | None]:
     """`train.matmul_impl` resolved: (the train step's XLA compiler options, their name for the start-up report);
-    `pipelined`: the step runs the pipeline executor. `plan` calls it for its check, the trainer for its step.
+    `pipelined`: the step runs the pipeline executor. Off GPUs there is no choice to make (`plan` has refused
+    `cublas` there).
 
     XLA's autotuner times Triton against cuBLAS for each product alone and keeps the faster; for a microbatch's
     smaller products it keeps Triton more often, and in the step those run slower than cuBLAS would: llama-1b on an
@@ -294,9 +301,6 @@ def matmuls(impl: str, platform: str, microbatches: int, pipelined: bool, xla_fl
     microbatches outside the pipeline executor, unless `XLA_FLAGS` (`xla_flags`, the environment's by default)
     already says: the user's flag decides."""
     if platform != "gpu":
-        if impl == "cublas":
-            raise ConfigError(f"train.matmul_impl=cublas: cuBLAS needs GPUs, the devices here are {platform}; use "
-                              f"train.matmul_impl=auto or xla")
         return {}, None
     if impl == "auto" and TRITON_GEMM in (os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags):
         return {}, f"as XLA_FLAGS sets --{TRITON_GEMM}"
