@@ -12,7 +12,7 @@ import pytest
 from layouts import assert_matches, fit, reference
 from mlm_jax import Trainer, load_config
 from mlm_jax.config import ConfigError
-from mlm_jax.parallel.pipeline import _segments, _stash_plan
+from mlm_jax.parallel.stash import segments, stash_plan
 from mlm_jax.validation.plan import check_degrees
 
 BASE = ["model.dtype=float32", "model.num_layers=8", "train.steps=3", "train.log_every=1", "train.eval_every=0",
@@ -73,7 +73,8 @@ def assert_stash_reported(trainer, schedule):
         assert trainer.stash is None
         return
     s, cfg, stash = trainer.schedule, trainer.cfg, trainer.stash
-    _, _, _, slots, _, _, cotangent_slots = _stash_plan(s, _segments(s))
+    plan = stash_plan(s, segments(s))
+    slots, cotangent_slots = plan.res_slots, plan.cot_slots
     rows = cfg.train.global_batch_size // s.microbatches
     assert stash.slots == slots
     assert stash.residual_bytes >= max(trainer.chunks.sizes) * rows * cfg.train.seq_len * cfg.model.hidden_size * 4

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from mlm_jax.parallel.pipeline import _segments, _stash_plan
+from mlm_jax.parallel.stash import segments, stash_plan
 from mlm_jax.parallel.schedule import (SCHEDULES, Schedule, forward_index, forward_order, gpipe, one_f_one_b,
                                        theoretical_bubble, zb1)
 
@@ -219,6 +219,7 @@ def test_stash_slots_are_as_many_as_the_most_live_chunks(P, V, M, kind):
     """The executor's slot allocation: the most chunks live at once (1F1B's peak), plus at most one slot for the
     writes of idle forward slots when every other is taken; zb1's cotangents need fewer than 2P."""
     s = SCHEDULES[kind](P, V, M)
-    _, _, _, residual_slots, _, _, cotangent_slots = _stash_plan(s, _segments(s))
+    plan = stash_plan(s, segments(s))
+    residual_slots, cotangent_slots = plan.res_slots, plan.cot_slots
     assert min(M * V, V * P + P - 1) <= residual_slots <= min(M * V, V * P + P - 1) + 1 <= 2 * V * P
     assert cotangent_slots <= 2 * P - 1

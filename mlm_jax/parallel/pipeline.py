@@ -37,6 +37,7 @@ from mlm_jax.model.transformer import default_positions, layers_of, segment_posi
 from mlm_jax.parallel.schedule import Schedule
 from mlm_jax.parallel.recompute import stash_policy
 from mlm_jax.parallel.split_vjp import split_pullback
+from mlm_jax.parallel.stash import Residuals, Stash, StashPlan, nbytes, segments, stash_plan
 from mlm_jax.parallel.stages import STAGE, ChunkLayout, run_chunk
 
 
@@ -110,31 +111,6 @@ def _layout(params, schedule: Schedule, layout: ChunkLayout | None) -> ChunkLayo
     for stack in layout.stacks:
         assert jax.tree.leaves(params[stack])[0].shape[0] == len(layout.rows(stack)), (stack, layout)
     return layout
-
-
-@dataclasses.dataclass(frozen=True)
-class Stash:
-    """What a stage keeps from a chunk's forward to its backward (1F1B, zb1): `slots` of one chunk's residuals
-    (`residual_bytes`) and, for a split schedule, `cotangent_slots` of the cotangents its deferred W reads
-    (`cotangent_bytes`), in bytes of the stage's program: shapes whole over the mesh axes other than `stage`, which
-    XLA then splits."""
-
-    slots: int
-    residual_bytes: int
-    cotangent_slots: int = 0
-    cotangent_bytes: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.slots * self.residual_bytes + self.cotangent_slots * self.cotangent_bytes
-
-    def describe(self) -> str:
-        cotangents = f" and {self.cotangent_slots} of W's cotangents" if self.cotangent_slots else ""
-        return f"{self.slots} slots of a chunk's residuals{cotangents}, {self.total_bytes / 2**30:.2f} GiB a stage"
-
-
-def _bytes(shapes) -> int:
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
 
 
 def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, count, *, mesh: Mesh, schedule: Schedule,
@@ -236,98 +212,170 @@ def _cast_floating(tree, dtype):
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def _segments(schedule: Schedule) -> list[tuple[int, int, bool, bool, bool]]:
-    """The ticks as runs (start, stop, forward slot runs, backward slot runs, weight gradients deferred): a slot
-    that no stage uses over a run of ticks (the warm-up's backward, the cool-down's forward) is left out of that
-    run's program. A split schedule's tick where every stage's W is its own B of that tick runs the whole
-    backward in the B slot, as 1F1B does; only the other ticks split it and defer W."""
-    runs: list[list] = []
-    weight = schedule.weight or schedule.backward
-    for t, (fw, bw, ww) in enumerate(zip(schedule.forward, schedule.backward, weight)):
-        kind = (any(w is not None for w in fw), any(w is not None for w in bw), tuple(bw) != tuple(ww))
-        if runs and tuple(runs[-1][2:]) == kind:
-            runs[-1][1] = t + 1
-        else:
-            runs.append([t, t + 1, *kind])
-    return [tuple(r) for r in runs]
+@dataclasses.dataclass(frozen=True)
+class _Tables:
+    """A 1F1B or zb1 schedule as its ticks read it: [tick, stage] arrays of each slot's (valid, v, m) (`w` for a
+    split schedule's W slots), the runs of ticks (`segments`) and the stash's slots (`stash_plan`)."""
+
+    fwd: tuple[jax.Array, jax.Array, jax.Array]
+    bwd: tuple[jax.Array, jax.Array, jax.Array]
+    w: tuple[jax.Array, jax.Array, jax.Array] | None
+    runs: list[tuple[int, int, bool, bool, bool]]
+    stash: StashPlan
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> _Tables:
+        runs = segments(schedule)
+        split = any(deferred for *_, deferred in runs)  # some W's run after their B's tick
+        fwd, bwd = _tables(schedule.forward), _tables(schedule.backward)
+        w = _tables(schedule.weight) if split else None
+        plan = stash_plan(schedule, runs)
+        plan = dataclasses.replace(plan, **{k: jnp.asarray(v) for k, v in vars(plan).items()
+                                            if isinstance(v, np.ndarray)})
+        return cls(fwd, bwd, w, runs, plan)
+
+    @property
+    def split(self) -> bool:
+        return self.w is not None
 
 
-def _allocate(rows, lives) -> tuple[np.ndarray, dict, int]:
-    """Stash slots, like registers: `rows[t][p]` is the key (v, m) stage p writes at tick t, None for an idle slot
-    that still writes (to a slot free at t), or ... for no write; `lives[p][key]` the ticks (first, last) its value
-    is read until. A slot is reused from the tick after its last read (within a tick, writes come before reads).
-    Returns (write slot [t, p], slot of each key per stage, slot count): the most values live at once, plus one
-    where an idle write found every slot taken."""
-    ticks, P = len(rows), len(rows[0]) if rows else 0
-    write, where, count = np.zeros((ticks, P), np.int32), [{} for _ in range(P)], 0
-    for p in range(P):
-        last = []  # per slot: the last tick its value is read
-        for t in range(ticks):
-            key = rows[t][p]
-            if key is ...:
-                continue
-            free = [i for i, e in enumerate(last) if e < t]
-            i = free[0] if free else len(last)
-            if not free:
-                last.append(-1)
-            if key is not None:
-                last[i], where[p][key] = lives[p][key][1], i
-            write[t, p] = i
-        count = max(count, len(last))
-    return write, where, count
+class _Ticks:
+    """One stage's slots of circular 1F1B and zb1 ticks (`_one_f_one_b`), over its chunks' layers; `tick` makes a
+    run of ticks' scan body. Each chunk's residuals' structure and, for a split schedule, its pullback's split
+    into B and W are made at its first trace (each chunk's program is its own: its slots' kinds, which of them it
+    skips)."""
 
+    def __init__(self, st: _Stage, rest, blocks, schedule: Schedule, tables: _Tables, cast_once: frozenset, p):
+        self.st, self.rest, self.tables, self.cast_once, self.p = st, rest, tables, cast_once, p
+        self.P, self.V, self.M = schedule.stages, schedule.virtual, schedule.microbatches
+        unrolled = not st.model(rest).scan_layers
+        self.layers = [_chunk_layers(blocks, u, unrolled) for u in range(self.V)]
+        self.residuals = [Residuals() for _ in range(self.V)]
+        self.analysed = {}
+        slots = st.layout.chunk_slots
+        self.always = {k: {slots.row(i) for i, stack in enumerate(slots.stacks)
+                           if stack == k and not slots.optional[i]} for k in blocks}
+        self.to_next = [(i, (i + 1) % self.P) for i in range(self.P)]
+        self.to_prev = [(i, (i - 1) % self.P) for i in range(self.P)]
+        self.zero_act, self.res0, self.stats0, self.kept = self._shapes()
+        plan = tables.stash
+        self.stash = Stash(plan.res_slots, nbytes(self.res0), plan.cot_slots if tables.split else 0,
+                           nbytes(self.kept))
 
-def _read(rows, where) -> np.ndarray:
-    """[t, p]: the slot holding `rows[t][p]`'s value (0 for an idle entry: read, then discarded)."""
-    return np.array([[where[p][w] if w is not None else 0 for p, w in enumerate(r)] for r in rows], np.int32)
+    def _shapes(self):
+        """Traces every chunk's forward for its shapes (all take the same stash slots): (the activation's zeros,
+        a chunk's residuals, its statistics, the cotangents a deferred W keeps)."""
+        st, V, split = self.st, self.V, self.tables.split
+        x0 = jax.eval_shape(lambda: st.embed(self.rest, 0))
+        y0, res0, stats0 = jax.eval_shape(lambda x, m: self.forward(x, 0, m), x0, 0)
+        for u in range(1, V):
+            shapes = jax.eval_shape(lambda x, m, u=u: self.forward(x, u, m)[1], x0, 0)
+            assert shapes == res0 and (not split or self.analysed[u].kept_shapes == self.analysed[0].kept_shapes), u
+        return jnp.zeros(y0.shape, y0.dtype), res0, stats0, self.analysed[0].kept_shapes if split else []
 
+    def initial(self) -> tuple:
+        """The first tick's carry: activations, stashes, fp32 sums and statistics, all zeros."""
+        plan = self.tables.stash
+        cots = [jnp.zeros((plan.cot_slots, *k.shape), k.dtype) for k in self.kept]
+        return (self.zero_act, self.zero_act, [jnp.zeros((plan.res_slots, *r.shape), r.dtype) for r in self.res0],
+                cots, [_zeros(chunk, jnp.float32) for chunk in self.layers], _zeros(self.rest, jnp.float32),
+                jnp.zeros((), jnp.float32),
+                _zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.V, *a.shape), jnp.float32), self.stats0)))
 
-class Residuals:
-    """A chunk's VJP as stashable arrays: the residual leaves of `jax.vjp`'s pullback, less the chunk's weights
-    (the pullback closes over them; they are passed again when it is rebuilt, never stashed)."""
+    def weights(self, u):
+        return _paired(self.layers[u], self.cast_once, self.always)
 
-    def __init__(self):
-        self.treedef, self.weight_at = None, None
+    def forward(self, act_in, u, m):
+        """Chunk u's (output, stashable residuals, routing statistics)."""
+        st, p = self.st, self.p
+        x = jnp.where(p == 0, st.embed(self.rest, m), act_in) if u == 0 else act_in  # a gather: cheaper than a branch
+        w = self.weights(u)
+        chunk = jax.checkpoint(lambda w, x: st.chunk(self.rest, w, x, u, m), policy=stash_policy, prevent_cse=False)
 
-    def split(self, pullback, weights) -> list[jax.Array]:
-        leaves, treedef = jax.tree.flatten(pullback)
-        index = {id(w): j for j, w in enumerate(jax.tree.leaves(weights))}
-        weight_at = tuple(index.get(id(leaf)) for leaf in leaves)
-        if self.treedef is None:  # the first trace's structure serves every tick (the pullback's jaxpr is static)
-            self.treedef, self.weight_at = treedef, weight_at
-        assert weight_at == self.weight_at, "the chunk's VJP changed structure between traces"
-        return [leaf for leaf, j in zip(leaves, weight_at) if j is None]
+        def run(w, x):
+            y, stats = chunk(w, x)
+            return (y, st.moe_term(stats)), stats
 
-    def join(self, stashed: list[jax.Array], weights):
-        w, it = jax.tree.leaves(weights), iter(stashed)
-        return jax.tree.unflatten(self.treedef, [next(it) if j is None else w[j] for j in self.weight_at])
+        (y, term), pullback, stats = jax.vjp(run, w, x, has_aux=True)
+        if self.tables.split and u not in self.analysed:
+            self.analysed[u] = split_pullback(pullback, (y, term))
+        return y, self.residuals[u].split(pullback, w), stats
 
+    def head(self, y, loss, g_rest, ok, m):
+        """The loss of the last chunk's output added to `loss`, the head's gradient to `g_rest`, and the output's
+        cotangent (all scaled by `ok`: 0 for an idle slot)."""
+        value, pullback = jax.vjp(lambda r, y: self.st.loss(r, y, m), self.rest, y)
+        g_r, g_y = pullback(ok.astype(value.dtype))
+        return loss + ok * value.astype(jnp.float32), _add(g_rest, g_r), g_y.astype(self.zero_act.dtype)
 
-def _stash_plan(schedule: Schedule, segments):
-    """Slot tables of the residual stash (a chunk's residuals live from its F to its backward, or to its W when
-    that is deferred) and of the cotangent stash (from a deferred tick's B to its W), and their slot counts."""
-    P, ticks = schedule.stages, schedule.ticks
-    deferred = np.zeros(ticks, bool)
-    runs_f = np.zeros(ticks, bool)
-    for start, stop, run_f, _, defer in segments:
-        deferred[start:stop], runs_f[start:stop] = defer, run_f
-    weight = schedule.weight or schedule.backward
-    when = {name: [{} for _ in range(P)] for name in ("f", "b", "w")}
-    for name, table in (("f", schedule.forward), ("b", schedule.backward), ("w", weight)):
-        for t, row in enumerate(table):
-            for p, work in enumerate(row):
-                if work is not None:
-                    when[name][p][work] = t
-    res_lives = [{k: (t, when["w"][p][k] if deferred[when["b"][p][k]] else when["b"][p][k])
-                  for k, t in when["f"][p].items()} for p in range(P)]
-    res_rows = [[w if runs_f[t] else ... for w in row] for t, row in enumerate(schedule.forward)]
-    res_write, res_where, res_slots = _allocate(res_rows, res_lives)
-    cot_lives = [{k: (t, when["w"][p][k]) for k, t in when["b"][p].items() if deferred[t]} for p in range(P)]
-    cot_rows = [[w if deferred[t] else ... for w in row] for t, row in enumerate(schedule.backward)]
-    cot_write, cot_where, cot_slots = _allocate(cot_rows, cot_lives)
-    w_rows = [[w if deferred[t] else None for w in row] for t, row in enumerate(weight)]
-    return (res_write, _read(schedule.backward, res_where), _read(w_rows, res_where), res_slots, cot_write,
-            _read(w_rows, cot_where), cot_slots)
+    def backward(self, u, stash, y, g_in, m, ok, deferred, t) -> Callable:
+        """Chunk u's backward slot, as a function of (loss, g_rest, g_x, chunk u's sums, stashed cotangents). Its
+        residuals are read out of the stash inside the slot's loop, where XLA reads each one in place into the
+        fusion that consumes it (read before the loop, each would be copied out whole every tick)."""
+        st, p, plan, P, V = self.st, self.p, self.tables.stash, self.P, self.V
+
+        def run(carry):
+            loss, g_rest, _, sums, cots = carry
+            stashed = [jax.lax.dynamic_index_in_dim(s, plan.res_b[t, p], 0, keepdims=False) for s in stash]
+            g_y = g_in * ok.astype(g_in.dtype)
+            if u == V - 1:
+                loss, g_rest, g_y = _maybe(p == P - 1, lambda c: self.head(y, *c[:2], ok, m), (loss, g_rest, g_y))
+            pullback = self.residuals[u].join(stashed, self.weights(u))
+            if deferred:  # the input gradient only, and what the weight gradient will need
+                g_x, kept = self.analysed[u].input_grad(pullback, (g_y, ok.astype(jnp.float32)))
+                cots = [jax.lax.dynamic_update_index_in_dim(c, k.astype(c.dtype), plan.cot_write[t, p], 0)
+                        for c, k in zip(cots, kept)]
+            else:
+                g_w, g_x = pullback((g_y, ok.astype(jnp.float32)))
+                sums = _add(sums, _masters(g_w))
+            if u == 0:  # the embedding's gradient, a scatter-add into its sum: cheaper than a branch
+                _, pullback = jax.vjp(lambda r: st.embed(r, m), self.rest)
+                g_rest = _add(g_rest, pullback(g_x * ((p == 0) & (ok == 1)).astype(g_x.dtype))[0])
+            return loss, g_rest, g_x.astype(self.zero_act.dtype), sums, cots
+        return run
+
+    def weight_grad(self, stash, cots, u, t):
+        """W of a split schedule: chunk u's weight gradient of the (v, m) the table names, from its residuals and
+        B's cotangents."""
+        plan, p = self.tables.stash, self.p
+        stashed = [jax.lax.dynamic_index_in_dim(s, plan.res_w[t, p], 0, keepdims=False) for s in stash]
+        kept = [jax.lax.dynamic_index_in_dim(c, plan.cot_w[t, p], 0, keepdims=False) for c in cots]
+        return _masters(self.analysed[u].weight_grad(self.residuals[u].join(stashed, self.weights(u)), kept))
+
+    def tick(self, run_forward: bool, run_backward: bool, deferred: bool) -> Callable:
+        """The scan body of a run of ticks: the forward slot, the backward slot, W where deferred, then the two
+        `ppermute`s."""
+        p, V, M, tables = self.p, self.V, self.M, self.tables
+        (fwd_ok, fwd_v, fwd_m), (bwd_ok, bwd_v, bwd_m) = tables.fwd, tables.bwd
+
+        def body(carry, t):
+            act_in, grad_in, stash, cots, sums, g_rest, loss, stats_acc = carry
+            sums = list(sums)
+            y = self.zero_act
+            if run_forward:
+                v, m, ok = fwd_v[t, p], fwd_m[t, p], fwd_ok[t, p]
+                y, res, stats = jax.lax.switch(v, [lambda x, m, u=u: self.forward(x, u, m) for u in range(V)],
+                                               act_in, m)
+                stash = [jax.lax.dynamic_update_index_in_dim(s, r.astype(s.dtype), tables.stash.res_write[t, p], 0)
+                         for s, r in zip(stash, res)]
+                stats_acc = _add_at(stats_acc, v, jax.tree.map(lambda a: a * (ok / M), stats))
+            g_x = self.zero_act
+            if run_backward:
+                v, m, ok = bwd_v[t, p], bwd_m[t, p], bwd_ok[t, p]
+                for u in range(V):
+                    loss, g_rest, g_x, sums[u], cots = _maybe(
+                        v == u, self.backward(u, stash, y, grad_in, m, ok, deferred, t),
+                        (loss, g_rest, g_x, sums[u], cots))
+            if deferred:  # skipped where idle: W has no collectives a neighbour waits for
+                w_ok, w_v, _ = tables.w
+                v = w_v[t, p]
+                for u in range(V):
+                    sums[u] = _maybe((w_ok[t, p] == 1) & (v == u),
+                                     lambda s, u=u: _add(s, self.weight_grad(stash, cots, u, t)), sums[u])
+            act_out = jax.lax.ppermute(y, STAGE, self.to_next)
+            grad_out = jax.lax.ppermute(g_x, STAGE, self.to_prev)
+            return (act_out, grad_out, stash, cots, sums, g_rest, loss, stats_acc), None
+        return body
 
 
 def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layout, compute_dtype, moe, cast_once,
@@ -349,133 +397,18 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
     products add their fp32 weight gradients (`cast_once`'s kernels) into the chunk's sums in their epilogues, in
     place (a branch would copy the sums it passes through).
     """
-    P, V, M = schedule.stages, schedule.virtual, schedule.microbatches
-    (fwd_ok, fwd_v, fwd_m), (bwd_ok, bwd_v, bwd_m) = _tables(schedule.forward), _tables(schedule.backward)
-    segments = _segments(schedule)
-    split = any(deferred for *_, deferred in segments)  # some W's run after their B's tick
-    if split:
-        w_ok, w_v, _ = _tables(schedule.weight)
-    to_next = [(i, (i + 1) % P) for i in range(P)]
-    to_prev = [(i, (i - 1) % P) for i in range(P)]
-    res_write, res_b, res_w, res_slots, cot_write, cot_w, cot_slots = (
-        jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in _stash_plan(schedule, segments))
+    tables = _Tables.of(schedule)
 
     def per_stage(block, rest, data):
         p = jax.lax.axis_index(STAGE)
         blocks, to_block = _gathered(layout, block, compute_dtype)  # (V, width, ...)
-        st = _Stage(graphdef, blocks, data, loss_fn, M, moe, layout, p)
-        unrolled = not st.model(rest).scan_layers
-        layers = [_chunk_layers(blocks, u, unrolled) for u in range(V)]
-        # per chunk (each chunk's program is its own: its slots' kinds, which of them it skips): its residuals'
-        # structure and, for a split schedule, its pullback's split into B and W, made at its first trace
-        residuals = [Residuals() for _ in range(V)]
-        analysed = {}
-
-        slots = layout.chunk_slots
-        always = {k: {slots.row(i) for i, stack in enumerate(slots.stacks) if stack == k and not slots.optional[i]}
-                  for k in blocks}
-
-        def weights(u):
-            return _paired(layers[u], cast_once, always)
-
-        def forward(act_in, u, m):
-            """Chunk u's (output, stashable residuals, routing statistics)."""
-            x = jnp.where(p == 0, st.embed(rest, m), act_in) if u == 0 else act_in  # a gather: cheaper than a branch
-            w = weights(u)
-            chunk = jax.checkpoint(lambda w, x: st.chunk(rest, w, x, u, m), policy=stash_policy, prevent_cse=False)
-
-            def run(w, x):
-                y, stats = chunk(w, x)
-                return (y, st.moe_term(stats)), stats
-
-            (y, term), pullback, stats = jax.vjp(run, w, x, has_aux=True)
-            if split and u not in analysed:
-                analysed[u] = split_pullback(pullback, (y, term))
-            return y, residuals[u].split(pullback, w), stats
-
-        x0 = jax.eval_shape(lambda: st.embed(rest, 0))
-        y0, res0, stats0 = jax.eval_shape(lambda x, m: forward(x, 0, m), x0, 0)
-        for u in range(1, V):  # every chunk's stash entries and stashed cotangents take the same slots
-            shapes = jax.eval_shape(lambda x, m, u=u: forward(x, u, m)[1], x0, 0)
-            assert shapes == res0 and (not split or analysed[u].kept_shapes == analysed[0].kept_shapes), u
-        zero_act = jnp.zeros(y0.shape, y0.dtype)
+        st = _Stage(graphdef, blocks, data, loss_fn, schedule.microbatches, moe, layout, p)
+        ticks = _Ticks(st, rest, blocks, schedule, tables, cast_once, p)
         if on_stash is not None:
-            on_stash(Stash(res_slots, _bytes(res0), cot_slots if split else 0,
-                           _bytes(analysed[0].kept_shapes) if split else 0))
-
-        def head(y, loss, g_rest, ok, m):
-            """The loss of the last chunk's output added to `loss`, the head's gradient to `g_rest`, and the
-            output's cotangent (all scaled by `ok`: 0 for an idle slot)."""
-            value, pullback = jax.vjp(lambda r, y: st.loss(r, y, m), rest, y)
-            g_r, g_y = pullback(ok.astype(value.dtype))
-            return loss + ok * value.astype(jnp.float32), _add(g_rest, g_r), g_y.astype(zero_act.dtype)
-
-        def backward(u, stash, y, g_in, m, ok, deferred, t):
-            """Chunk u's backward slot, as a function of (loss, g_rest, g_x, chunk u's sums, stashed cotangents).
-            Its residuals are read out of the stash inside the slot's loop, where XLA reads each one in place into
-            the fusion that consumes it (read before the loop, each would be copied out whole every tick)."""
-            def run(carry):
-                loss, g_rest, _, sums, cots = carry
-                stashed = [jax.lax.dynamic_index_in_dim(s, res_b[t, p], 0, keepdims=False) for s in stash]
-                g_y = g_in * ok.astype(g_in.dtype)
-                if u == V - 1:
-                    loss, g_rest, g_y = _maybe(p == P - 1, lambda c: head(y, *c[:2], ok, m), (loss, g_rest, g_y))
-                pullback = residuals[u].join(stashed, weights(u))
-                if deferred:  # the input gradient only, and what the weight gradient will need
-                    g_x, kept = analysed[u].input_grad(pullback, (g_y, ok.astype(jnp.float32)))
-                    cots = [jax.lax.dynamic_update_index_in_dim(c, k.astype(c.dtype), cot_write[t, p], 0)
-                            for c, k in zip(cots, kept)]
-                else:
-                    g_w, g_x = pullback((g_y, ok.astype(jnp.float32)))
-                    sums = _add(sums, _masters(g_w))
-                if u == 0:  # the embedding's gradient, a scatter-add into its sum: cheaper than a branch
-                    _, pullback = jax.vjp(lambda r: st.embed(r, m), rest)
-                    g_rest = _add(g_rest, pullback(g_x * ((p == 0) & (ok == 1)).astype(g_x.dtype))[0])
-                return loss, g_rest, g_x.astype(zero_act.dtype), sums, cots
-            return run
-
-        def weight_grad(stash, cots, u, t):
-            """W of a split schedule: chunk u's weight gradient of the (v, m) the table names, from its residuals
-            and B's cotangents."""
-            stashed = [jax.lax.dynamic_index_in_dim(s, res_w[t, p], 0, keepdims=False) for s in stash]
-            kept = [jax.lax.dynamic_index_in_dim(c, cot_w[t, p], 0, keepdims=False) for c in cots]
-            return _masters(analysed[u].weight_grad(residuals[u].join(stashed, weights(u)), kept))
-
-        def tick(run_forward, run_backward, deferred):
-            def body(carry, t):
-                act_in, grad_in, stash, cots, sums, g_rest, loss, stats_acc = carry
-                sums = list(sums)
-                y = zero_act
-                if run_forward:
-                    v, m, ok = fwd_v[t, p], fwd_m[t, p], fwd_ok[t, p]
-                    y, res, stats = jax.lax.switch(v, [lambda x, m, u=u: forward(x, u, m) for u in range(V)], act_in, m)
-                    stash = [jax.lax.dynamic_update_index_in_dim(s, r.astype(s.dtype), res_write[t, p], 0)
-                             for s, r in zip(stash, res)]
-                    stats_acc = _add_at(stats_acc, v, jax.tree.map(lambda a: a * (ok / M), stats))
-                g_x = zero_act
-                if run_backward:
-                    v, m, ok = bwd_v[t, p], bwd_m[t, p], bwd_ok[t, p]
-                    for u in range(V):
-                        loss, g_rest, g_x, sums[u], cots = _maybe(
-                            v == u, backward(u, stash, y, grad_in, m, ok, deferred, t),
-                            (loss, g_rest, g_x, sums[u], cots))
-                if deferred:  # skipped where idle: W has no collectives a neighbour waits for
-                    v = w_v[t, p]
-                    for u in range(V):
-                        sums[u] = _maybe((w_ok[t, p] == 1) & (v == u),
-                                         lambda s, u=u: _add(s, weight_grad(stash, cots, u, t)), sums[u])
-                act_out = jax.lax.ppermute(y, STAGE, to_next)
-                grad_out = jax.lax.ppermute(g_x, STAGE, to_prev)
-                return (act_out, grad_out, stash, cots, sums, g_rest, loss, stats_acc), None
-            return body
-
-        cots = [jnp.zeros((cot_slots, *k.shape), k.dtype) for k in analysed[0].kept_shapes] if split else []
-        carry = (zero_act, zero_act, [jnp.zeros((res_slots, *r.shape), r.dtype) for r in res0], cots,
-                 [_zeros(chunk, jnp.float32) for chunk in layers], _zeros(rest, jnp.float32),
-                 jnp.zeros((), jnp.float32),
-                 _zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((V, *a.shape), jnp.float32), stats0)))
-        for start, stop, *slots_run in segments:
-            carry, _ = jax.lax.scan(tick(*slots_run), carry, jnp.arange(start, stop))
+            on_stash(ticks.stash)
+        carry = ticks.initial()
+        for start, stop, *slots_run in tables.runs:
+            carry, _ = jax.lax.scan(ticks.tick(*slots_run), carry, jnp.arange(start, stop))
         _, _, _, _, sums, g_rest, loss, stats = carry
         return (jax.lax.psum(loss, STAGE), jax.lax.psum(g_rest, STAGE), to_block(_stacked(sums)),
                 jax.tree.map(lambda a: a[:, None], stats))  # (V, 1, width, ...): this stage's part

@@ -24,9 +24,10 @@ from mlm_jax.model.linear import master_kernels
 from mlm_jax.model.transformer import STACKS, layer_kinds, model_spec
 from mlm_jax.parallel import sharding as shd
 from mlm_jax.parallel.distributed import shared_time
-from mlm_jax.parallel.pipeline import Stash, pipeline_loss, pipeline_value_and_grad
+from mlm_jax.parallel.pipeline import pipeline_loss, pipeline_value_and_grad
 from mlm_jax.parallel.schedule import SCHEDULES, Schedule
 from mlm_jax.parallel.stages import ChunkLayout, chunk_sizes
+from mlm_jax.parallel.stash import Stash
 from mlm_jax.setup import setup
 from mlm_jax.train import hooks as hk
 from mlm_jax.train import metrics as mt
