@@ -3,9 +3,9 @@ import itertools
 
 import pytest
 
-from mlm_jax.parallel.stash import segments, stash_plan
 from mlm_jax.parallel.schedule import (SCHEDULES, Schedule, forward_index, forward_order, gpipe, one_f_one_b,
                                        theoretical_bubble, zb1)
+from mlm_jax.parallel.stash import segments, stash_plan
 
 SHAPES = [(P, V, M) for P, V, M in itertools.product([1, 2, 3, 4, 8], [1, 2, 3], [1, 2, 3, 4, 6, 8, 12, 16])
           if M >= P and (V == 1 or M % P == 0)]

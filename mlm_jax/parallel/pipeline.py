@@ -247,7 +247,7 @@ class _Ticks:
 
     def __init__(self, st: _Stage, rest, blocks, schedule: Schedule, tables: _Tables, cast_once: frozenset, p):
         self.st, self.rest, self.tables, self.cast_once, self.p = st, rest, tables, cast_once, p
-        self.P, self.V, self.M = schedule.stages, schedule.virtual, schedule.microbatches
+        self.P, self.V = schedule.stages, schedule.virtual
         unrolled = not st.model(rest).scan_layers
         self.layers = [_chunk_layers(blocks, u, unrolled) for u in range(self.V)]
         self.residuals = [Residuals() for _ in range(self.V)]
@@ -259,8 +259,7 @@ class _Ticks:
         self.to_prev = [(i, (i - 1) % self.P) for i in range(self.P)]
         self.zero_act, self.res0, self.stats0, self.kept = self._shapes()
         plan = tables.stash
-        self.stash = Stash(plan.res_slots, nbytes(self.res0), plan.cot_slots if tables.split else 0,
-                           nbytes(self.kept))
+        self.stash = Stash(plan.res_slots, nbytes(self.res0), plan.cot_slots, nbytes(self.kept))
 
     def _shapes(self):
         """Traces every chunk's forward for its shapes (all take the same stash slots): (the activation's zeros,
@@ -306,7 +305,7 @@ class _Ticks:
         cotangent (all scaled by `ok`: 0 for an idle slot)."""
         value, pullback = jax.vjp(lambda r, y: self.st.loss(r, y, m), self.rest, y)
         g_r, g_y = pullback(ok.astype(value.dtype))
-        return loss + ok * value.astype(jnp.float32), _add(g_rest, g_r), g_y.astype(self.zero_act.dtype)
+        return loss + ok * value.astype(jnp.float32), _sum_into(g_rest, g_r), g_y.astype(self.zero_act.dtype)
 
     def backward(self, u, stash, y, g_in, m, ok, deferred, t) -> Callable:
         """Chunk u's backward slot, as a function of (loss, g_rest, g_x, chunk u's sums, stashed cotangents). Its
@@ -327,10 +326,10 @@ class _Ticks:
                         for c, k in zip(cots, kept)]
             else:
                 g_w, g_x = pullback((g_y, ok.astype(jnp.float32)))
-                sums = _add(sums, _masters(g_w))
+                sums = _sum_into(sums, _masters(g_w))
             if u == 0:  # the embedding's gradient, a scatter-add into its sum: cheaper than a branch
                 _, pullback = jax.vjp(lambda r: st.embed(r, m), self.rest)
-                g_rest = _add(g_rest, pullback(g_x * ((p == 0) & (ok == 1)).astype(g_x.dtype))[0])
+                g_rest = _sum_into(g_rest, pullback(g_x * ((p == 0) & (ok == 1)).astype(g_x.dtype))[0])
             return loss, g_rest, g_x.astype(self.zero_act.dtype), sums, cots
         return run
 
@@ -345,7 +344,7 @@ class _Ticks:
     def tick(self, run_forward: bool, run_backward: bool, deferred: bool) -> Callable:
         """The scan body of a run of ticks: the forward slot, the backward slot, W where deferred, then the two
         `ppermute`s."""
-        p, V, M, tables = self.p, self.V, self.M, self.tables
+        p, V, M, tables = self.p, self.V, self.st.M, self.tables
         (fwd_ok, fwd_v, fwd_m), (bwd_ok, bwd_v, bwd_m) = tables.fwd, tables.bwd
 
         def body(carry, t):
@@ -371,7 +370,7 @@ class _Ticks:
                 v = w_v[t, p]
                 for u in range(V):
                     sums[u] = _maybe((w_ok[t, p] == 1) & (v == u),
-                                     lambda s, u=u: _add(s, self.weight_grad(stash, cots, u, t)), sums[u])
+                                     lambda s, u=u: _sum_into(s, self.weight_grad(stash, cots, u, t)), sums[u])
             act_out = jax.lax.ppermute(y, STAGE, self.to_next)
             grad_out = jax.lax.ppermute(g_x, STAGE, self.to_prev)
             return (act_out, grad_out, stash, cots, sums, g_rest, loss, stats_acc), None
@@ -465,7 +464,8 @@ def _masters(g):
                         is_leaf=lambda a: isinstance(a, CastWeight))
 
 
-def _add(acc, g):
+def _sum_into(acc, g):
+    """`g` added to the sums `acc` in their dtype (fp32)."""
     return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g)
 
 
