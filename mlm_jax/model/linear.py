@@ -29,6 +29,20 @@ class CastWeight:
     copy: jax.Array
 
 
+def stand_in(copy: jax.Array) -> CastWeight:
+    """`copy` paired with an fp32 stand-in for its master: the product reads `copy` and returns the weight gradient
+    as the stand-in's, an fp32 product that XLA adds into an fp32 sum in its epilogue. Only the stand-in's dtype is
+    read, so it is never written."""
+    return CastWeight(jnp.zeros(copy.shape, jnp.float32), copy)
+
+
+def master_gradients(grads):
+    """A gradient of weights with `CastWeight` pairs as the weights' own tree: each pair's master gradient (its copy
+    gets none)."""
+    return jax.tree.map(lambda g: g.master if isinstance(g, CastWeight) else g, grads,
+                        is_leaf=lambda g: isinstance(g, CastWeight))
+
+
 class Linear(nnx.Module):
     """`y = einsum(equation, x, kernel) [+ bias]`; weights stored in `param_dtype`, operands cast to `dtype`.
 

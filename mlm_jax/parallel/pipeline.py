@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.model import axes as ax
-from mlm_jax.model.linear import CastWeight, path_names
+from mlm_jax.model.linear import master_gradients, path_names, stand_in
 from mlm_jax.model.moe import moe_metrics
 from mlm_jax.model.transformer import default_positions, layers_of, segment_positions, stack_layers
 from mlm_jax.parallel.schedule import Schedule
@@ -122,8 +122,8 @@ def pipeline_value_and_grad(graphdef: nnx.GraphDef, params, batch, count, *, mes
     `metrics["loss"]` and, for an MoE model (`moe`, its config), the MoE losses in the objective and their statistics
     in the metrics, as the plain step reports them. `loss_fn(model, y_bSD, targets_bS, weights_BS=, count=)`: a
     microbatch's share of the cross-entropy from the last chunk's output (`train.loss.head_loss`). `cast_once`: the
-    kernels (paths from the parameters' root) whose weight gradients 1F1B and zb1 take as fp32 products
-    (`linear.CastWeight`), as accumulation per layer does. `on_stash` is told the stash's size when the step is
+    kernels (paths from the parameters' root) whose weight gradients 1F1B and zb1 take as fp32 products in the
+    chunks (`linear.stand_in`), as accumulation per layer does. `on_stash` is told the stash's size when the step is
     traced (not for GPipe, whose backward autodiff keeps)."""
     layout = _layout(params, schedule, layout)
     stacks, rest, data = _split(params, batch, schedule.microbatches, layout, count)
@@ -326,7 +326,7 @@ class _Ticks:
                         for c, k in zip(cots, kept)]
             else:
                 g_w, g_x = pullback((g_y, ok.astype(jnp.float32)))
-                sums = _sum_into(sums, _masters(g_w))
+                sums = _sum_into(sums, master_gradients(g_w))
             if u == 0:  # the embedding's gradient, a scatter-add into its sum: cheaper than a branch
                 _, pullback = jax.vjp(lambda r: st.embed(r, m), self.rest)
                 g_rest = _sum_into(g_rest, pullback(g_x * ((p == 0) & (ok == 1)).astype(g_x.dtype))[0])
@@ -339,7 +339,7 @@ class _Ticks:
         plan, p = self.tables.stash, self.p
         stashed = [jax.lax.dynamic_index_in_dim(s, plan.res_w[t, p], 0, keepdims=False) for s in stash]
         kept = [jax.lax.dynamic_index_in_dim(c, plan.cot_w[t, p], 0, keepdims=False) for c in cots]
-        return _masters(self.analysed[u].weight_grad(self.residuals[u].join(stashed, self.weights(u)), kept))
+        return master_gradients(self.analysed[u].weight_grad(self.residuals[u].join(stashed, self.weights(u)), kept))
 
     def tick(self, run_forward: bool, run_backward: bool, deferred: bool) -> Callable:
         """The scan body of a run of ticks: the forward slot, the backward slot, W where deferred, then the two
@@ -443,25 +443,18 @@ def _stacked(chunks: list[dict]) -> dict:
 
 def _paired(layers: dict, cast_once: frozenset, always: dict[str, set[int]]) -> dict:
     """Chunk layers with each kernel in `cast_once` (paths from the parameters' root) paired with an fp32 stand-in
-    for its master (`linear.CastWeight`): its product reads the layer's compute-dtype weights and returns the weight
-    gradient as an fp32 product, which XLA adds into the chunk's fp32 sum in the product's epilogue. Only the
-    stand-in's dtype is read, and it is made where it is used, so it is never written. Only the rows that every
-    chunk runs (`always`, per stack): an optional slot's layer runs in a conditional, which returns its products'
-    gradients by a copy that fp32 would double."""
+    for its master (`linear.stand_in`): its product reads the layer's compute-dtype weights and returns the weight
+    gradient as an fp32 product, which XLA adds into the chunk's fp32 sum in the product's epilogue. Only the rows
+    that every chunk runs (`always`, per stack): an optional slot's layer runs in a conditional, which returns its
+    products' gradients by a copy that fp32 would double."""
     def pair(stack, layer):
         def one(path, w):
             named = (stack, *path_names(path))
-            return CastWeight(jnp.zeros(w.shape, jnp.float32), w) if named in cast_once else w
+            return stand_in(w) if named in cast_once else w
         return jax.tree_util.tree_map_with_path(one, layer)
     return {k: [pair(k, layer) if j in always[k] else layer for j, layer in enumerate(pool)] if isinstance(pool, list)
             else pair(k, pool) if len(always[k]) == jax.tree.leaves(pool)[0].shape[0] else pool
             for k, pool in layers.items()}
-
-
-def _masters(g):
-    """A gradient of `_paired` layers as the layers' own tree: each pair's master gradient (its copy gets none)."""
-    return jax.tree.map(lambda a: a.master if isinstance(a, CastWeight) else a, g,
-                        is_leaf=lambda a: isinstance(a, CastWeight))
 
 
 def _sum_into(acc, g):

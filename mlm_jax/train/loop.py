@@ -199,8 +199,7 @@ class Trainer:
             head's) also take their weight gradients as fp32 products, never rounded to bf16 before the sum. Built
             only for such steps (one abstract trace of the model)."""
             graphdef = model_spec(cfg.model, dataclasses.replace(su.kernels, master=True)).graphdef
-            return graphdef, frozenset(path for path in master_kernels(nnx.merge(graphdef, self.spec.shapes))
-                                       if path[0] in STACKS)
+            return graphdef, master_kernels(nnx.merge(graphdef, self.spec.shapes))
 
         self.schedule, self.chunks, pipeline, forward = schedule, None, None, None
         self.stash: Stash | None = None  # the executor's, told when the step is traced

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import MoEConfig
 from mlm_jax.model import axes as ax
-from mlm_jax.model.linear import CastWeight, path_names
+from mlm_jax.model.linear import master_gradients, path_names, stand_in
 from mlm_jax.model.moe import balance_loss, moe_metrics
 from mlm_jax.model.transformer import layers_of, stack_layers
 from mlm_jax.ops.fp8 import is_history
@@ -39,8 +39,8 @@ class StepPlan:
     fp32 products (`linear.master_einsum`), so that XLA adds a layer's gradient into its sum in the epilogue of the
     product that makes it, where the memory traffic hides under the matmul, rather than in passes of their own over
     every gradient, stacked, per microbatch. Not with ZeRO-1, whose gradients are reduce-scattered per microbatch.
-    `cast_once`: the kernels (paths from the parameters' root) of those products whose copy in `compute_dtype` is
-    made once a step before the microbatches (`linear.CastWeight`) rather than by each microbatch's products.
+    `cast_once`: the kernels (paths from the parameters' root) of those products; a stack's copy in `compute_dtype`
+    is made once a step before the microbatches (`linear.CastWeight`) rather than by each microbatch's products.
     """
 
     graphdef: nnx.GraphDef
@@ -204,15 +204,14 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, count, stacks):
     loads_LE = _step_loads(plan, params, micro)
     copies = _compute_copies(plan, params, counts)
     value_and_grad = jax.value_and_grad(
-        lambda p, mb: objective(plan, gather(_with_copies(p, copies)), mb, count, 1 / plan.accum_steps, loads_LE),
-        has_aux=True)
+        lambda p, mb: objective(plan, gather(p), mb, count, 1 / plan.accum_steps, loads_LE), has_aux=True)
 
     def body(grad_sum, a):
         mb = _microbatch(micro, a)
         # taken apart here, each layer's weights are read where they are used (taken apart before the loop,
         # they would be copied out of the stacks)
-        (_, metrics), grads = value_and_grad(spread(params, lambda w, i: w[i]), mb)
-        return jax.lax.with_sharding_constraint(_add(grad_sum, grads), layer_shardings), metrics
+        (_, metrics), grads = value_and_grad(_paired(plan, spread(params, lambda w, i: w[i]), copies), mb)
+        return jax.lax.with_sharding_constraint(_add(grad_sum, master_gradients(grads)), layer_shardings), metrics
 
     zeros = spread(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), lambda w, i: w[i])
     grad_sum, metrics_A = jax.lax.scan(body, zeros, jnp.arange(plan.accum_steps))
@@ -230,14 +229,21 @@ def _compute_copies(plan: StepPlan, params, counts: dict[str, int]) -> dict[str,
     return copies
 
 
-def _with_copies(tree, copies: dict[str, list[dict]]):
-    """The per-layer weights `tree` with each kernel that has a copy paired with it (`linear.CastWeight`)."""
-    def pair(layer, copy):
+def _paired(plan: StepPlan, weights, copies: dict[str, list[dict]]):
+    """The per-layer weights `weights` with each kernel of `plan.cast_once` beside an fp32 stand-in for its master
+    (`linear.stand_in`), so that its weight gradient is an fp32 product that XLA adds into the fp32 sum in the
+    product's epilogue: a stack's kernel with its copy made once a step (`copies`) where its master is in another
+    dtype, else with the master itself, read in place; another kernel where its master is in the compute dtype
+    (bf16 master weights), whose product would otherwise round each microbatch's gradient to bf16 before its sum."""
+    def pair(k, layer, copy):
         def one(path, w):
-            c = copy.get(path_names(path))
-            return w if c is None else CastWeight(w, c)
+            name = path_names(path)
+            if (k, *name) not in plan.cast_once or (copy is None and w.dtype != plan.compute_dtype):
+                return w
+            return stand_in(w if copy is None else copy.get(name, w))
         return jax.tree_util.tree_map_with_path(one, layer)
-    return {**tree, **{k: [pair(layer, copy) for layer, copy in zip(tree[k], cs)] for k, cs in copies.items()}}
+    return {k: [pair(k, layer, c) for layer, c in zip(tree, copies[k])] if k in copies else pair(k, tree, None)
+            for k, tree in weights.items()}
 
 
 def gradients(plan: StepPlan, params, batch) -> tuple[dict, Any]:
