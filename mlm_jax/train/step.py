@@ -238,11 +238,11 @@ def _paired(plan: StepPlan, weights, copies: dict[str, list[dict]]):
     def pair(k, layer, copy):
         def one(path, w):
             name = path_names(path)
-            if (k, *name) not in plan.cast_once or (copy is None and w.dtype != plan.compute_dtype):
+            if (k, *name) not in plan.cast_once or (name not in copy and w.dtype != plan.compute_dtype):
                 return w
-            return stand_in(w if copy is None else copy.get(name, w))
+            return stand_in(copy.get(name, w))
         return jax.tree_util.tree_map_with_path(one, layer)
-    return {k: [pair(k, layer, c) for layer, c in zip(tree, copies[k])] if k in copies else pair(k, tree, None)
+    return {k: [pair(k, layer, c) for layer, c in zip(tree, copies[k])] if k in copies else pair(k, tree, {})
             for k, tree in weights.items()}
 
 
