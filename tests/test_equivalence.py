@@ -144,24 +144,31 @@ def test_bf16_copies_cast_once_a_step_give_the_products_of_the_master_weights(la
         np.testing.assert_allclose(once[path], each[path], rtol=1e-5, atol=1e-7, err_msg=path)
 
 
-def test_bf16_master_weights_sum_each_microbatchs_weight_gradient_in_fp32(tmp_path):
-    """Accumulating per layer over bf16 master weights, each microbatch's weight gradient of every product of
-    `StepPlan.cast_once` (the layers' and the head's) is summed in fp32 as its product gives it and rounded to bf16
-    once, after the sum: the gradient of the same weights held in fp32, rounded."""
+@pytest.mark.parametrize("extra,devices", [
+    pytest.param([], 1, id="head"),
+    pytest.param(["model.tie_embeddings=true", "train.loss_chunks=2"], 1, id="tied-chunked-loss"),
+    pytest.param(["parallel.stage=2", "parallel.virtual_stages=2", "parallel.pipeline_schedule=1f1b"], 2,
+                 id="pipeline"),
+])
+def test_bf16_master_weights_sum_each_microbatchs_gradient_in_fp32(extra, devices, tmp_path):
+    """Accumulating per layer over bf16 master weights, or through the pipeline executor, each microbatch's
+    gradient of every weight (the products' kernels of `StepPlan.cast_once`, the embedding table as looked up and
+    as the tied head, with or without the loss in chunks, the norms' scales) is summed in fp32 as it comes and
+    rounded to bf16 once, after the sum: the gradient of the same weights held in fp32, rounded."""
     overrides = BASE + ["model.dtype=bfloat16", "model.scan_layers=false", "train.num_microbatches=4",
-                        f"train.output_dir={tmp_path}"]
+                        f"train.output_dir={tmp_path}", *extra]
     cfg = load_config(None, overrides + ["model.param_dtype=bfloat16"])
-    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer = Trainer(cfg, devices=jax.devices()[:devices])
     plan = trainer.step_plan
-    assert {("blocks", "mlp", "up", "kernel"), ("head", "kernel")} <= plan.cast_once
+    assert plan.pipeline or {("blocks", "mlp", "up", "kernel"), ("embed", "embedding")} <= plan.cast_once
     batch = data_lib.global_batch(trainer.loader, 0, trainer.batch_sharding)
     params = trainer.state.params
     as_fp32 = jax.tree.map(lambda w: w.astype(np.float32), params)
-    reference = Trainer(load_config(None, overrides), devices=jax.devices()[:1]).step_plan
+    reference = Trainer(load_config(None, overrides), devices=jax.devices()[:devices]).step_plan
     _, g_bf16 = jax.jit(functools.partial(gradients, plan))(params, batch)
     _, g_fp32 = jax.jit(functools.partial(gradients, reference))(as_fp32, batch)
     got, want = leaves(g_bf16), leaves(jax.tree.map(lambda g: g.astype(jax.numpy.bfloat16), g_fp32))
-    kernels = [p for p in got if p.endswith("['kernel']") and "norm" not in p]
-    assert len(kernels) == 7 + 1, kernels  # the stacks' seven and the head's
-    for path in kernels:
+    tied = "model.tie_embeddings=true" in extra
+    assert len(got) == 7 + 2 + 2 + (not tied), list(got)  # the stacks' kernels and norms, table, final norm, head
+    for path in got:
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)

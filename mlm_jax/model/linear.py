@@ -36,6 +36,19 @@ def stand_in(copy: jax.Array) -> CastWeight:
     return CastWeight(jnp.zeros(copy.shape, jnp.float32), copy)
 
 
+def for_fp32_sums(w: jax.Array, cast_once: bool, compute_dtype, copy: jax.Array | None = None):
+    """`w` as a step that sums each microbatch's gradient in fp32 hands it to the model (per-layer accumulation, the
+    pipeline executor): a weight of `cast_once` (a kernel, a table) paired with an fp32 stand-in for its master,
+    with `copy` (its compute-dtype copy made beforehand) where given, else with itself where it is in the compute
+    dtype (bf16 masters); a bf16 vector (a norm's scale, a bias) as its fp32 value, which the layers read it as
+    anyway or cast back exactly; else as it is, its gradient rounded to its dtype (experts, a router)."""
+    if cast_once and (copy is not None or w.dtype == compute_dtype):
+        return stand_in(w if copy is None else copy)
+    if w.ndim <= 1 and jnp.issubdtype(w.dtype, jnp.floating) and w.dtype != jnp.float32:
+        return w.astype(jnp.float32)
+    return w
+
+
 def master_gradients(grads):
     """A gradient of weights with `CastWeight` pairs as the weights' own tree: each pair's master gradient (its copy
     gets none)."""

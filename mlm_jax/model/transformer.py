@@ -203,11 +203,12 @@ class Transformer(nnx.Module):
     def head_input(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array, bool]:
         """What the output head multiplies, for a loss that runs the head itself (`train.loss.head_loss`): the final
         norm's output in the compute dtype, the head's stored weight ([D, V], or the [V, D] embedding table when
-        tied) and whether it is tied. `softcap` caps the products as `logits` does."""
+        tied; a `linear.CastWeight` where the step pairs it with a copy) and whether it is tied. `softcap` caps the
+        products as `logits` does."""
         x_BSD = ax.constrain(self.final_norm(x_BSD), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
         if hasattr(self, "head"):
-            return x_BSD.astype(self.head.dtype), self.head.kernel[...], False
-        return x_BSD.astype(self.embed.dtype), self.embed.embedding[...], True
+            return x_BSD.astype(self.head.dtype), self.head.kernel.get_value(), False
+        return x_BSD.astype(self.embed.dtype), self.embed.embedding.get_value(), True
 
     def logits(self, x_BSD: jax.Array) -> jax.Array:
         """Final norm and output head."""

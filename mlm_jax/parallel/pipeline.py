@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from mlm_jax.model import axes as ax
-from mlm_jax.model.linear import master_gradients, path_names, stand_in
+from mlm_jax.model.linear import for_fp32_sums, master_gradients, path_names, stand_in
 from mlm_jax.model.moe import moe_metrics
 from mlm_jax.model.transformer import default_positions, layers_of, segment_positions, stack_layers
 from mlm_jax.parallel.schedule import Schedule
@@ -209,7 +209,11 @@ def _gathered(layout: ChunkLayout, stacks, dtype=None):
 
 
 def _cast_floating(tree, dtype):
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+    """Stacked layers' floating weights in `dtype`, but their vectors (norms' scales, biases: [layers, n]) in fp32,
+    as the layers read them, so that each microbatch's gradient of them comes back unrounded
+    (`linear.for_fp32_sums`)."""
+    return jax.tree.map(lambda a: a.astype(dtype if a.ndim > 2 else jnp.float32)
+                        if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +281,8 @@ class _Ticks:
         plan = self.tables.stash
         cots = [jnp.zeros((plan.cot_slots, *k.shape), k.dtype) for k in self.kept]
         return (self.zero_act, self.zero_act, [jnp.zeros((plan.res_slots, *r.shape), r.dtype) for r in self.res0],
-                cots, [_zeros(chunk, jnp.float32) for chunk in self.layers], _zeros(self.rest, jnp.float32),
+                cots, [_zeros(chunk, jnp.float32) for chunk in self.layers],
+                _zeros(master_gradients(self.rest), jnp.float32),
                 jnp.zeros((), jnp.float32),
                 _zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.V, *a.shape), jnp.float32), self.stats0)))
 
@@ -305,7 +310,8 @@ class _Ticks:
         cotangent (all scaled by `ok`: 0 for an idle slot)."""
         value, pullback = jax.vjp(lambda r, y: self.st.loss(r, y, m), self.rest, y)
         g_r, g_y = pullback(ok.astype(value.dtype))
-        return loss + ok * value.astype(jnp.float32), _sum_into(g_rest, g_r), g_y.astype(self.zero_act.dtype)
+        return (loss + ok * value.astype(jnp.float32), _sum_into(g_rest, master_gradients(g_r)),
+                g_y.astype(self.zero_act.dtype))
 
     def backward(self, u, stash, y, g_in, m, ok, deferred, t) -> Callable:
         """Chunk u's backward slot, as a function of (loss, g_rest, g_x, chunk u's sums, stashed cotangents). Its
@@ -329,7 +335,8 @@ class _Ticks:
                 sums = _sum_into(sums, master_gradients(g_w))
             if u == 0:  # the embedding's gradient, a scatter-add into its sum: cheaper than a branch
                 _, pullback = jax.vjp(lambda r: st.embed(r, m), self.rest)
-                g_rest = _sum_into(g_rest, pullback(g_x * ((p == 0) & (ok == 1)).astype(g_x.dtype))[0])
+                g_r = pullback(g_x * ((p == 0) & (ok == 1)).astype(g_x.dtype))[0]
+                g_rest = _sum_into(g_rest, master_gradients(g_r))
             return loss, g_rest, g_x.astype(self.zero_act.dtype), sums, cots
         return run
 
@@ -388,9 +395,10 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
     lockstep ticks it would otherwise wait, and collectives inside a chunk (ring attention, expert all-to-alls)
     then run on every device of the stage.
 
-    As plain accumulation does per layer (`train.step`), the chunks' weights are cast to the compute dtype and
-    taken apart into layers once a step, and each chunk keeps an fp32 gradient sum per layer: one program over a
-    (V, ...) stack at a traced chunk v would copy the chunk's weights out, and its sums out and back, every tick.
+    As plain accumulation does per layer (`train.step`), the chunks' weights are cast to the compute dtype (their
+    vectors to fp32) and taken apart into layers once a step, and each chunk keeps an fp32 gradient sum per layer:
+    one program over a (V, ...) stack at a traced chunk v would copy the chunk's weights out, and its sums out and
+    back, every tick.
     The forward slot is a `lax.switch` over the chunks (a branch reads its chunk's layers in place; the residuals it
     returns go into the stash); the backward slot is V loops of zero or one trips (`_maybe`), one per chunk, whose
     products add their fp32 weight gradients (`cast_once`'s kernels) into the chunk's sums in their epilogues, in
@@ -402,7 +410,9 @@ def _one_f_one_b(graphdef, stacks, rest, data, *, mesh, schedule, loss_fn, layou
         p = jax.lax.axis_index(STAGE)
         blocks, to_block = _gathered(layout, block, compute_dtype)  # (V, width, ...)
         st = _Stage(graphdef, blocks, data, loss_fn, schedule.microbatches, moe, layout, p)
-        ticks = _Ticks(st, rest, blocks, schedule, tables, cast_once, p)
+        read = jax.tree_util.tree_map_with_path(  # the head's and embedding's gradients summed in fp32 too
+            lambda path, w: for_fp32_sums(w, path_names(path) in cast_once, compute_dtype), rest)
+        ticks = _Ticks(st, read, blocks, schedule, tables, cast_once, p)
         if on_stash is not None:
             on_stash(ticks.stash)
         carry = ticks.initial()

@@ -20,6 +20,7 @@ from mlm_jax.data.dataset import build_datasets
 from mlm_jax.eval.tasks import evaluate_training
 from mlm_jax.infer.generate import generate
 from mlm_jax.model import axes as ax
+from mlm_jax.model.embed import master_tables
 from mlm_jax.model.linear import master_kernels
 from mlm_jax.model.transformer import STACKS, layer_kinds, model_spec
 from mlm_jax.parallel import sharding as shd
@@ -199,7 +200,8 @@ class Trainer:
             head's) also take their weight gradients as fp32 products, never rounded to bf16 before the sum. Built
             only for such steps (one abstract trace of the model)."""
             graphdef = model_spec(cfg.model, dataclasses.replace(su.kernels, master=True)).graphdef
-            return graphdef, master_kernels(nnx.merge(graphdef, self.spec.shapes))
+            model = nnx.merge(graphdef, self.spec.shapes)
+            return graphdef, master_kernels(model) | master_tables(model)
 
         self.schedule, self.chunks, pipeline, forward = schedule, None, None, None
         self.stash: Stash | None = None  # the executor's, told when the step is traced

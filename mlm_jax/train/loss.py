@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from mlm_jax.model import axes as ax
+from mlm_jax.model.linear import CastWeight
 
 
 def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array, weights_BS: jax.Array | None = None,
@@ -58,8 +59,9 @@ def head_loss(model, x_BSD: jax.Array, targets_BS: jax.Array, chunks: int = 1, w
 def chunked_cross_entropy(x_BSD: jax.Array, weight: jax.Array, targets_BS: jax.Array, chunks: int, tied: bool,
                           softcap: float | None, weights_BS: jax.Array | None = None, count=None) -> jax.Array:
     """`cross_entropy` of the logits `x_BSD @ weight` ([D, V], or the [V, D] embedding table if `tied`; stored in
-    any dtype, multiplied in x's), optionally soft-capped, computed over `chunks` interleaved slices of the
-    sequence (positions s with s % chunks = c): only one slice's logits exist at a time. `weights_BS` and `count`
+    any dtype, multiplied in x's; or a `linear.CastWeight`, whose copy is multiplied and whose master takes the
+    gradient), optionally soft-capped, computed over `chunks` interleaved slices of the sequence (positions s with
+    s % chunks = c): only one slice's logits exist at a time. `weights_BS` and `count`
     as `cross_entropy`'s (the mean over every token without).
 
     The forward pass computes the gradients too, one slice at a time (the weight's summed in fp32), so that the
@@ -71,7 +73,7 @@ def chunked_cross_entropy(x_BSD: jax.Array, weight: jax.Array, targets_BS: jax.A
 
 def _chunked(x_BSD, weight, targets_BS, chunks, tied, softcap, weights_BS, count, grads=True):
     B, S, D = x_BSD.shape
-    w = weight.astype(x_BSD.dtype)
+    w = (weight.copy if isinstance(weight, CastWeight) else weight).astype(x_BSD.dtype)
     logits_eq, dx_eq, dw_eq = (("bsd,vd->bsv", "bsv,vd->bsd", "bsd,bsv->vd") if tied else
                                ("bsd,dv->bsv", "bsv,dv->bsd", "bsd,bsv->dv"))
     if weights_BS is None:
@@ -101,7 +103,7 @@ def _chunked(x_BSD, weight, targets_BS, chunks, tied, softcap, weights_BS, count
         dw = dw + jnp.einsum(dw_eq, x_BsD, d_BsV, preferred_element_type=jnp.float32)
         return dw, (loss, dx_BsD)
 
-    dw, (losses, dx_cBsD) = jax.lax.scan(chunk, jnp.zeros(weight.shape, jnp.float32) if grads else None,
+    dw, (losses, dx_cBsD) = jax.lax.scan(chunk, jnp.zeros(w.shape, jnp.float32) if grads else None,
                                          (slices(x_BSD), slices(targets_BS), slices(weights_BS)))
     if not grads:
         return jnp.sum(losses) / count, None
@@ -112,12 +114,16 @@ def _chunked(x_BSD, weight, targets_BS, chunks, tied, softcap, weights_BS, count
 def _chunked_fwd(x_BSD, weight, targets_BS, chunks, tied, softcap, weights_BS=None, count=None):
     loss, (dx_BSD, dw) = _chunked(x_BSD, weight, targets_BS, chunks, tied, softcap, weights_BS, count)
     # empty arrays carry the inputs' dtypes for the gradients, which are kept in fp32 until scaled
-    return loss, (dx_BSD, dw, jnp.zeros(0, x_BSD.dtype), jnp.zeros(0, weight.dtype))
+    return loss, (dx_BSD, dw, *jax.tree.map(lambda a: jnp.zeros(0, a.dtype), (x_BSD, weight)))
 
 
 def _chunked_bwd(chunks, tied, softcap, residuals, g):
     dx_BSD, dw, x_like, w_like = residuals
-    return (g * dx_BSD).astype(x_like.dtype), (g * dw).astype(w_like.dtype), None, None, None
+    if isinstance(w_like, CastWeight):  # the gradient is the master's; the copy gets none (`linear.copy_einsum`)
+        dweight = CastWeight((g * dw).astype(w_like.master.dtype), jnp.zeros(dw.shape, w_like.copy.dtype))
+    else:
+        dweight = (g * dw).astype(w_like.dtype)
+    return (g * dx_BSD).astype(x_like.dtype), dweight, None, None, None
 
 
 chunked_cross_entropy.defvjp(_chunked_fwd, _chunked_bwd)

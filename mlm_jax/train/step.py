@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from mlm_jax.config import MoEConfig
 from mlm_jax.model import axes as ax
-from mlm_jax.model.linear import master_gradients, path_names, stand_in
+from mlm_jax.model.linear import for_fp32_sums, master_gradients, path_names
 from mlm_jax.model.moe import balance_loss, moe_metrics
 from mlm_jax.model.transformer import layers_of, stack_layers
 from mlm_jax.ops.fp8 import is_history
@@ -39,8 +39,9 @@ class StepPlan:
     fp32 products (`linear.master_einsum`), so that XLA adds a layer's gradient into its sum in the epilogue of the
     product that makes it, where the memory traffic hides under the matmul, rather than in passes of their own over
     every gradient, stacked, per microbatch. Not with ZeRO-1, whose gradients are reduce-scattered per microbatch.
-    `cast_once`: the kernels (paths from the parameters' root) of those products; a stack's copy in `compute_dtype`
-    is made once a step before the microbatches (`linear.CastWeight`) rather than by each microbatch's products.
+    `cast_once`: the kernels (paths from the parameters' root) of those products and the embedding tables
+    (`embed.copy_take`); a stack's copy in `compute_dtype` is made once a step before the microbatches
+    (`linear.CastWeight`) rather than by each microbatch's products.
     """
 
     graphdef: nnx.GraphDef
@@ -233,14 +234,13 @@ def _paired(plan: StepPlan, weights, copies: dict[str, list[dict]]):
     """The per-layer weights `weights` with each kernel of `plan.cast_once` beside an fp32 stand-in for its master
     (`linear.stand_in`), so that its weight gradient is an fp32 product that XLA adds into the fp32 sum in the
     product's epilogue: a stack's kernel with its copy made once a step (`copies`) where its master is in another
-    dtype, else with the master itself, read in place; another kernel where its master is in the compute dtype
-    (bf16 master weights), whose product would otherwise round each microbatch's gradient to bf16 before its sum."""
+    dtype, else with the master itself, read in place; another kernel (or table) where its master is in the compute
+    dtype (bf16 master weights), whose product would otherwise round each microbatch's gradient to bf16 before its
+    sum; bf16 vectors as their fp32 values (`linear.for_fp32_sums`)."""
     def pair(k, layer, copy):
         def one(path, w):
             name = path_names(path)
-            if (k, *name) not in plan.cast_once or (name not in copy and w.dtype != plan.compute_dtype):
-                return w
-            return stand_in(copy.get(name, w))
+            return for_fp32_sums(w, (k, *name) in plan.cast_once, plan.compute_dtype, copy.get(name))
         return jax.tree_util.tree_map_with_path(one, layer)
     return {k: [pair(k, layer, c) for layer, c in zip(tree, copies[k])] if k in copies else pair(k, tree, {})
             for k, tree in weights.items()}
