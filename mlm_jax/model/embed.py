@@ -58,8 +58,13 @@ def _take_fwd(master_VD, tokens_BS, dtype):
 
 def _take_bwd(dtype, residuals, dx_BSD):
     master_VD, tokens_BS = residuals
+    return _table_gradient(master_VD, tokens_BS, dx_BSD), None
+
+
+def _table_gradient(master_VD, tokens_BS, dx_BSD):
+    """The rows' gradients `dx_BSD` added up per token in fp32, as the master table's gradient in its dtype."""
     grad_VD = jnp.zeros(master_VD.shape, jnp.float32).at[tokens_BS].add(dx_BSD.astype(jnp.float32))
-    return ax.constrain(grad_VD, (None, None)).astype(master_VD.dtype), None
+    return ax.constrain(grad_VD, (None, None)).astype(master_VD.dtype)
 
 
 master_take.defvjp(_take_fwd, _take_bwd)
@@ -79,8 +84,7 @@ def _copy_take_fwd(master_VD, copy_VD, tokens_BS):
 
 def _copy_take_bwd(residuals, dx_BSD):
     master_VD, copy_VD, tokens_BS = residuals
-    grad_VD = jnp.zeros(master_VD.shape, jnp.float32).at[tokens_BS].add(dx_BSD.astype(jnp.float32))
-    return ax.constrain(grad_VD, (None, None)).astype(master_VD.dtype), jnp.zeros_like(copy_VD), None
+    return _table_gradient(master_VD, tokens_BS, dx_BSD), jnp.zeros_like(copy_VD), None
 
 
 copy_take.defvjp(_copy_take_fwd, _copy_take_bwd)
