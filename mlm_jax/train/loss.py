@@ -61,8 +61,8 @@ def chunked_cross_entropy(x_BSD: jax.Array, weight: jax.Array, targets_BS: jax.A
     """`cross_entropy` of the logits `x_BSD @ weight` ([D, V], or the [V, D] embedding table if `tied`; stored in
     any dtype, multiplied in x's; or a `linear.CastWeight`, whose copy is multiplied and whose master takes the
     gradient), optionally soft-capped, computed over `chunks` interleaved slices of the sequence (positions s with
-    s % chunks = c): only one slice's logits exist at a time. `weights_BS` and `count`
-    as `cross_entropy`'s (the mean over every token without).
+    s % chunks = c): only one slice's logits exist at a time. `weights_BS` and `count` as `cross_entropy`'s (the
+    mean over every token without).
 
     The forward pass computes the gradients too, one slice at a time (the weight's summed in fp32), so that the
     backward pass only scales them: no logits are kept or recomputed. Interleaved slices keep a sequence sharded
