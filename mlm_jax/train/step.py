@@ -231,12 +231,10 @@ def _compute_copies(plan: StepPlan, params, counts: dict[str, int]) -> dict[str,
 
 
 def _paired(plan: StepPlan, weights, copies: dict[str, list[dict]]):
-    """The per-layer weights `weights` with each kernel of `plan.cast_once` beside an fp32 stand-in for its master
-    (`linear.stand_in`), so that its weight gradient is an fp32 product that XLA adds into the fp32 sum in the
-    product's epilogue: a stack's kernel with its copy made once a step (`copies`) where its master is in another
-    dtype, else with the master itself, read in place; another kernel (or table) where its master is in the compute
-    dtype (bf16 master weights), whose product would otherwise round each microbatch's gradient to bf16 before its
-    sum; bf16 vectors as their fp32 values (`linear.for_fp32_sums`)."""
+    """The per-layer weights `weights` as the model reads them when each microbatch's gradient is summed in fp32
+    (`linear.for_fp32_sums`): a weight of `plan.cast_once` beside an fp32 stand-in for its master, with its copy
+    made once a step where `copies` has one (else itself, read in place, where it is in the compute dtype), so that
+    XLA adds its fp32 gradient into the sum in the product's epilogue."""
     def pair(k, layer, copy):
         def one(path, w):
             name = path_names(path)
