@@ -144,6 +144,38 @@ def test_bf16_copies_cast_once_a_step_give_the_products_of_the_master_weights(la
         np.testing.assert_allclose(once[path], each[path], rtol=1e-5, atol=1e-7, err_msg=path)
 
 
+def _zeros_made_per_microbatch(jaxpr, shapes, in_loop=False) -> list:
+    """The fp32 zeros of a shape in `shapes` that `jaxpr` makes inside a loop (each microbatch's)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        out = eqn.outvars[0].aval if eqn.outvars else None
+        if (in_loop and eqn.primitive.name == "broadcast_in_dim" and out.dtype == np.float32
+                and tuple(out.shape) in shapes):
+            found.append(tuple(out.shape))
+        for sub in jax.tree.leaves(list(eqn.params.values()), is_leaf=lambda v: hasattr(v, "eqns")):
+            if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                found += _zeros_made_per_microbatch(getattr(sub, "jaxpr", sub), shapes,
+                                                    in_loop or eqn.primitive.name in ("scan", "while"))
+    return found
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_weights_paired_for_fp32_sums_add_no_zeros_per_microbatch(param_dtype, tmp_path):
+    """Accumulating per layer with recompute under FSDP, each layer's kernel paired for an fp32 sum stands beside an
+    fp32 array already in memory (its master, or its sum): zeros made for it in each microbatch would be a buffer
+    that each recomputed layer keeps, whole on every device (the sums are sharded)."""
+    cfg = load_config(None, BASE + ["model.dtype=bfloat16", f"model.param_dtype={param_dtype}",
+                                    "model.scan_layers=false", "model.remat=full", "parallel.data=1",
+                                    "parallel.fsdp=4", "train.num_microbatches=2", f"train.output_dir={tmp_path}"])
+    trainer = Trainer(cfg, devices=jax.devices()[:4])
+    plan = trainer.step_plan
+    assert ("blocks", "mlp", "up", "kernel") in plan.cast_once
+    params = trainer.abstract_state.params
+    shapes = {tuple(w.shape[1:]) for w in jax.tree.leaves(params["blocks"]) if w.ndim > 2}  # the layers' kernels
+    jaxpr = jax.make_jaxpr(functools.partial(gradients, plan))(params, trainer.batch_shapes())
+    assert not _zeros_made_per_microbatch(jaxpr.jaxpr, shapes)
+
+
 @pytest.mark.parametrize("extra,devices", [
     pytest.param([], 1, id="head"),
     pytest.param(["model.tie_embeddings=true", "train.loss_chunks=2"], 1, id="tied-chunked-loss"),

@@ -36,14 +36,22 @@ def stand_in(copy: jax.Array) -> CastWeight:
     return CastWeight(jnp.zeros(copy.shape, jnp.float32), copy)
 
 
-def for_fp32_sums(w: jax.Array, cast_once: bool, compute_dtype, copy: jax.Array | None = None):
+def for_fp32_sums(w: jax.Array, cast_once: bool, compute_dtype, copy: jax.Array | None = None,
+                  fp32: jax.Array | None = None):
     """`w` as a step that sums each microbatch's gradient in fp32 hands it to the model (per-layer accumulation, the
-    pipeline executor): a weight of `cast_once` (a kernel, a table) paired with an fp32 stand-in for its master,
+    pipeline executor): a weight of `cast_once` (a kernel, a table) paired with an fp32 array in its master's place,
     with `copy` (its compute-dtype copy made beforehand) where given, else with itself where it is in the compute
     dtype (bf16 masters); a bf16 vector (a norm's scale, a bias) as its fp32 value, which the layers read it as
-    anyway or cast back exactly; else as it is, its gradient rounded to its dtype (experts, a router)."""
+    anyway or cast back exactly; else as it is, its gradient rounded to its dtype (experts, a router).
+
+    Only the master's dtype is read, so its place is taken by an fp32 array already in memory where there is one:
+    the master itself, else `fp32` (the sum its gradient goes into, laid out as the master); zeros (`stand_in`)
+    would be a buffer of their own wherever a recomputed layer keeps its inputs, one per shape, whole on every
+    device whose weights are sharded."""
     if cast_once and (copy is not None or w.dtype == compute_dtype):
-        return stand_in(w if copy is None else copy)
+        copy = w if copy is None else copy
+        fp32 = w if w.dtype == jnp.float32 else fp32
+        return stand_in(copy) if fp32 is None else CastWeight(fp32, copy)
     if w.ndim <= 1 and jnp.issubdtype(w.dtype, jnp.floating) and w.dtype != jnp.float32:
         return w.astype(jnp.float32)
     return w

@@ -211,7 +211,7 @@ def _accumulate_per_layer(plan: StepPlan, params, batch, count, stacks):
         mb = _microbatch(micro, a)
         # taken apart here, each layer's weights are read where they are used (taken apart before the loop,
         # they would be copied out of the stacks)
-        (_, metrics), grads = value_and_grad(_paired(plan, spread(params, lambda w, i: w[i]), copies), mb)
+        (_, metrics), grads = value_and_grad(_paired(plan, spread(params, lambda w, i: w[i]), copies, grad_sum), mb)
         return jax.lax.with_sharding_constraint(_add(grad_sum, master_gradients(grads)), layer_shardings), metrics
 
     zeros = spread(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), lambda w, i: w[i])
@@ -230,18 +230,18 @@ def _compute_copies(plan: StepPlan, params, counts: dict[str, int]) -> dict[str,
     return copies
 
 
-def _paired(plan: StepPlan, weights, copies: dict[str, list[dict]]):
+def _paired(plan: StepPlan, weights, copies: dict[str, list[dict]], sums):
     """The per-layer weights `weights` as the model reads them when each microbatch's gradient is summed in fp32
-    (`linear.for_fp32_sums`): a weight of `plan.cast_once` beside an fp32 stand-in for its master, with its copy
-    made once a step where `copies` has one (else itself, read in place, where it is in the compute dtype), so that
-    XLA adds its fp32 gradient into the sum in the product's epilogue."""
-    def pair(k, layer, copy):
-        def one(path, w):
+    (`linear.for_fp32_sums`): a weight of `plan.cast_once` beside its fp32 master, or, for a master in the compute
+    dtype, its fp32 sum in `sums` standing in for it, with its copy made once a step where `copies` has one (else
+    itself, read in place), so that XLA adds its fp32 gradient into the sum in the product's epilogue."""
+    def pair(k, layer, copy, sum_):
+        def one(path, w, s):
             name = path_names(path)
-            return for_fp32_sums(w, (k, *name) in plan.cast_once, plan.compute_dtype, copy.get(name))
-        return jax.tree_util.tree_map_with_path(one, layer)
-    return {k: [pair(k, layer, c) for layer, c in zip(tree, copies[k])] if k in copies else pair(k, tree, {})
-            for k, tree in weights.items()}
+            return for_fp32_sums(w, (k, *name) in plan.cast_once, plan.compute_dtype, copy.get(name), s)
+        return jax.tree_util.tree_map_with_path(one, layer, sum_)
+    return {k: [pair(k, layer, c, s) for layer, c, s in zip(tree, copies[k], sums[k])] if k in copies
+            else pair(k, tree, {}, sums[k]) for k, tree in weights.items()}
 
 
 def gradients(plan: StepPlan, params, batch) -> tuple[dict, Any]:
