@@ -142,6 +142,8 @@ def test_a_deep_model_probed_at_two_shallower_depths_matches_its_whole_compilati
     overrides = [*FIXED, "parallel.data=2", "parallel.fsdp=4", "model.num_layers=24", *QUIET]
     cfg = load_config(None, overrides)
     assert probe_depths(cfg, 1) == (4, 8)
+    deep = load_config(None, [*FIXED, "model.num_layers=80"])
+    assert probe_depths(deep, 1) == (12, 24) and probe_depths(deep, 8) == (16, 32)  # an eighth of the model, or more
     probed, whole = (compile_layout(cfg, jax.devices(), None, probe=p) for p in (True, False))
     assert probed.memory.params == whole.memory.params and probed.memory.optimizer == whole.memory.optimizer
     assert probed.memory.total == pytest.approx(whole.memory.total, rel=0.05)
