@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from families import FAMILIES
+from jaxprs import equations
 from layouts import assert_matches, fit, leaves, reference
 from mlm_jax import Trainer, load_config
 from mlm_jax.data import loader as data_lib
@@ -144,21 +145,6 @@ def test_bf16_copies_cast_once_a_step_give_the_products_of_the_master_weights(la
         np.testing.assert_allclose(once[path], each[path], rtol=1e-5, atol=1e-7, err_msg=path)
 
 
-def _zeros_made_per_microbatch(jaxpr, shapes, in_loop=False) -> list:
-    """The fp32 zeros of a shape in `shapes` that `jaxpr` makes inside a loop (each microbatch's)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        out = eqn.outvars[0].aval if eqn.outvars else None
-        if (in_loop and eqn.primitive.name == "broadcast_in_dim" and out.dtype == np.float32
-                and tuple(out.shape) in shapes):
-            found.append(tuple(out.shape))
-        for sub in jax.tree.leaves(list(eqn.params.values()), is_leaf=lambda v: hasattr(v, "eqns")):
-            if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                found += _zeros_made_per_microbatch(getattr(sub, "jaxpr", sub), shapes,
-                                                    in_loop or eqn.primitive.name in ("scan", "while"))
-    return found
-
-
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_weights_paired_for_fp32_sums_add_no_zeros_per_microbatch(param_dtype, tmp_path):
     """Accumulating per layer with recompute under FSDP, each layer's kernel paired for an fp32 sum stands beside an
@@ -173,7 +159,9 @@ def test_weights_paired_for_fp32_sums_add_no_zeros_per_microbatch(param_dtype, t
     params = trainer.abstract_state.params
     shapes = {tuple(w.shape[1:]) for w in jax.tree.leaves(params["blocks"]) if w.ndim > 2}  # the layers' kernels
     jaxpr = jax.make_jaxpr(functools.partial(gradients, plan))(params, trainer.batch_shapes())
-    assert not _zeros_made_per_microbatch(jaxpr.jaxpr, shapes)
+    zeros_per_microbatch = [eqn for eqn, loops in equations(jaxpr) if loops and eqn.primitive.name == "broadcast_in_dim"
+                            and eqn.outvars[0].aval.dtype == np.float32 and eqn.outvars[0].aval.shape in shapes]
+    assert not zeros_per_microbatch
 
 
 @pytest.mark.parametrize("extra,devices", [

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from jax.sharding import PartitionSpec
+from jaxprs import equations, trips
 
 from mlm_jax import load_config
 from mlm_jax.model.transformer import layer_kinds, model_spec
@@ -124,14 +125,7 @@ def _assert_close(got, want):
 
 def _matmuls(jaxpr) -> int:
     """Matmul equations (dot_general, ragged_dot_general), through sub-jaxprs, times scan lengths."""
-    n = 0
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        n += "dot" in eqn.primitive.name
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else [p]:
-                if hasattr(sub, "eqns"):
-                    n += _matmuls(sub) * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
-    return n
+    return sum(trips(loops) for eqn, loops in equations(jaxpr) if "dot" in eqn.primitive.name)
 
 
 @pytest.mark.parametrize("case", list(CASES))
