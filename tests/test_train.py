@@ -119,3 +119,23 @@ def test_bf16_moments_train_under_zero1(tmp_path):
     assert np.isfinite(records[-1]["loss"])
     moments = [x for x in jax.tree.leaves(trainer.state.opt_state) if x.ndim]
     assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.bfloat16)}
+
+
+def _products(overrides: list[str], devices: int, tmp_path) -> int:
+    cfg = load_config(None, ["model.dtype=bfloat16", "model.scan_layers=false", "train.global_batch_size=8",
+                             "train.seq_len=32", "data.max_bytes=2000000", f"train.output_dir={tmp_path}", *overrides])
+    trainer = Trainer(cfg, devices=jax.devices()[:devices])
+    return trainer.lowered_step().as_text().count("stablehlo.dot_general")
+
+
+def test_remat_dots_recomputes_no_dense_product(tmp_path):
+    """`model.remat=dots` keeps every dense layer's product whichever kernel makes it: the custom-VJP products of
+    per-layer accumulation and of FSDP's master weights too, which a policy looking for `dot_general` never saw (it
+    recomputed them all, as `full` does). Each step then holds the products of one batch's step under `dots`, whose
+    XLA products the policy always kept (only attention's batched products are recomputed), and fewer than
+    `full`."""
+    one_batch = _products(["model.remat=dots"], 1, tmp_path)
+    for overrides, devices in ((["train.num_microbatches=2"], 1), (["parallel.fsdp=2"], 2)):
+        dots = _products([*overrides, "model.remat=dots"], devices, tmp_path)
+        full = _products([*overrides, "model.remat=full"], devices, tmp_path)
+        assert dots == one_batch < full, (overrides, dots, one_batch, full)

@@ -8,10 +8,17 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from mlm_jax.model.kernels import Kernels
 from mlm_jax.ops import te
 from mlm_jax.ops.fp8 import HISTORY, delayed_einsum, fp8_einsum
+
+
+# The name a `Linear`'s product carries for recompute policies (`model.remat=dots` keeps it): most products run
+# inside a custom VJP (`master_einsum`, `copy_einsum`, fp8), whose output a policy that looks for `dot_general`
+# never sees.
+PRODUCT = "product"
 
 
 def param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
@@ -104,6 +111,7 @@ class Linear(nnx.Module):
             y = te.einsum(self.equation, x, weight.astype(self.dtype))
         else:
             y = (self.kernels.few_rows or jnp.einsum)(self.equation, x, weight.astype(self.dtype))
+        y = checkpoint_name(y, PRODUCT)
         if row_scale is not None:
             y = (y.astype(jnp.float32) * row_scale).astype(self.dtype)
         return y + self.bias[...].astype(self.dtype) if hasattr(self, "bias") else y

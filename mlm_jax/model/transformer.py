@@ -26,7 +26,7 @@ from mlm_jax.model.attention import AttentionConfig
 from mlm_jax.model.block import Block, BlockConfig
 from mlm_jax.model.embed import Embed
 from mlm_jax.model.kernels import Kernels
-from mlm_jax.model.linear import Linear
+from mlm_jax.model.linear import PRODUCT, Linear
 from mlm_jax.model.mla import LatentAttentionConfig
 from mlm_jax.model.moe import MoELayerConfig
 from mlm_jax.model.norm import Norm
@@ -34,7 +34,9 @@ from mlm_jax.model.rope import RopeConfig
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute everything
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs, recompute the rest
+    # keep matmul outputs (the dense layers' products, `linear.PRODUCT`, whichever kernel makes them), recompute the rest
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                                                            jax.checkpoint_policies.save_only_these_names(PRODUCT)),
 }
 
 
