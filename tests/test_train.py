@@ -132,10 +132,9 @@ def test_remat_dots_recomputes_no_dense_product(tmp_path):
     """`model.remat=dots` keeps every dense layer's product whichever kernel makes it: the custom-VJP products of
     per-layer accumulation and of FSDP's master weights too, which a policy looking for `dot_general` never saw (it
     recomputed them all, as `full` does). Each step then holds the products of one batch's step under `dots`, whose
-    XLA products the policy always kept (only attention's batched products are recomputed), and fewer than
-    `full`."""
+    XLA products the policy always kept (only attention's batched products are recomputed), fewer than `full`'s."""
     one_batch = _products(["model.remat=dots"], 1, tmp_path)
-    for overrides, devices in ((["train.num_microbatches=2"], 1), (["parallel.fsdp=2"], 2)):
-        dots = _products([*overrides, "model.remat=dots"], devices, tmp_path)
-        full = _products([*overrides, "model.remat=full"], devices, tmp_path)
-        assert dots == one_batch < full, (overrides, dots, one_batch, full)
+    accumulated = _products(["train.num_microbatches=2", "model.remat=dots"], 1, tmp_path)
+    fsdp = _products(["parallel.fsdp=2", "model.remat=dots"], 2, tmp_path)
+    assert accumulated == fsdp == one_batch < _products(["model.remat=full"], 1, tmp_path), (accumulated, fsdp,
+                                                                                             one_batch)
