@@ -121,20 +121,24 @@ def test_bf16_moments_train_under_zero1(tmp_path):
     assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.bfloat16)}
 
 
-def _products(overrides: list[str], devices: int, tmp_path) -> int:
-    cfg = load_config(None, ["model.dtype=bfloat16", "model.scan_layers=false", "train.global_batch_size=8",
-                             "train.seq_len=32", "data.max_bytes=2000000", f"train.output_dir={tmp_path}", *overrides])
+def _products(overrides: list[str], devices: int, tmp_path, config: str | None = None) -> tuple[int, int]:
+    """(the products in the lowered train step, the model's layers)."""
+    cfg = load_config(config, ["model.dtype=bfloat16", "model.scan_layers=false", "train.global_batch_size=8",
+                               "train.seq_len=32", "data.max_bytes=2000000", f"train.output_dir={tmp_path}",
+                               *overrides])
     trainer = Trainer(cfg, devices=jax.devices()[:devices])
-    return trainer.lowered_step().as_text().count("stablehlo.dot_general")
+    return trainer.lowered_step().as_text().count("stablehlo.dot_general"), cfg.model.num_layers
 
 
-def test_remat_dots_recomputes_no_dense_product(tmp_path):
-    """`model.remat=dots` keeps every dense layer's product whichever kernel makes it: the custom-VJP products of
-    per-layer accumulation and of FSDP's master weights too, which a policy looking for `dot_general` never saw (it
-    recomputed them all, as `full` does). Each step then holds the products of one batch's step under `dots`, whose
-    XLA products the policy always kept (only attention's batched products are recomputed), fewer than `full`'s."""
-    one_batch = _products(["model.remat=dots"], 1, tmp_path)
-    accumulated = _products(["train.num_microbatches=2", "model.remat=dots"], 1, tmp_path)
-    fsdp = _products(["parallel.fsdp=2", "model.remat=dots"], 2, tmp_path)
-    assert accumulated == fsdp == one_batch < _products(["model.remat=full"], 1, tmp_path), (accumulated, fsdp,
-                                                                                             one_batch)
+def test_remat_dots_recomputes_no_product_but_attentions(tmp_path):
+    """`model.remat=dots` keeps every product but attention's two of each layer (batched products on the XLA path; on
+    a GPU, one cuDNN call), whichever kernel makes it: the custom-VJP products of per-layer accumulation and of FSDP's
+    master weights, and the experts' grouped products, which a policy looking for `dot_general` without batch dims
+    never kept (it recomputed them as `full` does)."""
+    none, layers = _products(["model.remat=none"], 1, tmp_path)
+    for overrides, devices in ((["train.num_microbatches=2"], 1), (["parallel.fsdp=2"], 2)):
+        dots, _ = _products([*overrides, "model.remat=dots"], devices, tmp_path)
+        assert dots - none == 2 * layers, (overrides, dots, none)
+    assert _products(["model.remat=full"], 1, tmp_path)[0] > none + 2 * layers
+    moe = {r: _products([f"model.remat={r}"], 1, tmp_path, "configs/mixtral-tiny.yaml") for r in ("none", "dots")}
+    assert moe["dots"][0] - moe["none"][0] == 2 * moe["none"][1], moe
