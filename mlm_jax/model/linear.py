@@ -15,9 +15,9 @@ from mlm_jax.ops import te
 from mlm_jax.ops.fp8 import HISTORY, delayed_einsum, fp8_einsum
 
 
-# The name a `Linear`'s product carries for recompute policies (`model.remat=dots` keeps it): most products run
-# inside a custom VJP (`master_einsum`, `copy_einsum`, fp8), whose output a policy that looks for `dot_general`
-# never sees.
+# The name a product carries for recompute policies (`model.remat=dots` keeps it): a `Linear`'s and the experts'
+# (`experts._grouped_swiglu`, `experts.batched_ffn`). Most run inside a custom VJP (`master_einsum`, `copy_einsum`,
+# fp8, the grouped kernels) or with batch dims, which a policy looking for `dot_general` without them never keeps.
 PRODUCT = "product"
 
 

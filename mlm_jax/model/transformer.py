@@ -34,7 +34,8 @@ from mlm_jax.model.rope import RopeConfig
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute everything
-    # keep matmul outputs (the dense layers' products, `linear.PRODUCT`, whichever kernel makes them), recompute the rest
+    # keep matmul outputs (the layers' and experts' products, `linear.PRODUCT`, whichever kernel makes them), recompute
+    # the rest
     "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                                                             jax.checkpoint_policies.save_only_these_names(PRODUCT)),
 }
