@@ -1,11 +1,15 @@
-"""The real CLI in a subprocess: every bad input is one `error: ...` line on stderr, exit code 2, and no output
-directory (`test_bad_input.py` has many more cases, in-process)."""
+"""The CLI: every bad input is one `error: ...` line on stderr, exit code 2, and no output directory. One case of
+each place an error can arise (the argument parser, an override, the YAML file, a key, a value, the devices, the
+model) runs the real subprocess; the others run its entry point, `main(argv)`, in this process
+(`test_bad_input.py` has many more cases, in-process)."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from mlm_jax.train.__main__ import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +22,11 @@ def run_cli(*args):
 
 
 def case(case_id, args, expected):
-    return pytest.param(args, expected, id=case_id)
+    return pytest.param(args, expected, case_id in SUBPROCESS, id=case_id)
+
+
+SUBPROCESS = {"unknown-flag", "argument-without-equals", "malformed-yaml", "unknown-key", "wrong-type",
+              "degrees-not-device-count", "heads-by-tensor"}
 
 
 CASES = [
@@ -58,19 +66,24 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("args, expected", CASES)
-def test_bad_input_is_one_error_line_and_exit_code_2(tmp_path, args, expected):
+@pytest.mark.parametrize("args, expected, in_subprocess", CASES)
+def test_bad_input_is_one_error_line_and_exit_code_2(tmp_path, capsys, args, expected, in_subprocess):
     for name, text in BROKEN_YAML.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00model: {}\n")
     out = tmp_path / "out"
-    result = run_cli(*(a.replace("{tmp}", str(tmp_path)) for a in args), f"train.output_dir={out}")
+    argv = [*(a.replace("{tmp}", str(tmp_path)) for a in args), f"train.output_dir={out}"]
+    if in_subprocess:
+        result = run_cli(*argv)
+        code, stdout, err = result.returncode, result.stdout, result.stderr
+    else:
+        code = main(argv)
+        stdout, err = capsys.readouterr()
     assert not out.exists()  # refused before anything is written
-    err = result.stderr
     assert "Traceback" not in err, err
     assert err.startswith("error: ") and err.strip().count("\n") == 0, err
-    assert result.returncode == 2
-    assert result.stdout == ""
+    assert code == 2
+    assert stdout == ""
     for part in expected:
         assert part.replace("{tmp}", str(tmp_path)) in err, err
 
