@@ -21,12 +21,13 @@ def run_cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
-def case(case_id, args, expected):
-    return pytest.param(args, expected, case_id in SUBPROCESS, id=case_id)
-
-
+# The cases that run the real subprocess: one of each place an error arises.
 SUBPROCESS = {"unknown-flag", "argument-without-equals", "malformed-yaml", "unknown-key", "wrong-type",
               "degrees-not-device-count", "heads-by-tensor"}
+
+
+def case(case_id, args, expected):
+    return pytest.param(args, expected, case_id in SUBPROCESS, id=case_id)
 
 
 CASES = [
