@@ -164,15 +164,17 @@ def ours_in_subprocess(args, overrides: list[str], json_out: str) -> tuple[dict 
     return None, f"our run failed ({why}):\n{tail}"
 
 
-def peer_env(cfg) -> dict[str, str]:
+def peer_env(cfg, accum_steps: int) -> dict[str, str]:
+    """The peer's shape, and its batch split into as many microbatches as our step accumulated (`ACC`): a ratio at
+    4 microbatches compares two accumulating steps, not ours against the peer's one batch."""
     m, t = cfg.model, cfg.train
     return {"L": str(m.num_layers), "D": str(m.hidden_size), "H": str(m.num_heads), "F": str(m.ffn_size),
-            "V": str(m.vocab_size), "S": str(t.seq_len), "B": str(t.global_batch_size)}
+            "V": str(m.vocab_size), "S": str(t.seq_len), "B": str(t.global_batch_size), "ACC": str(accum_steps)}
 
 
 def peer_mismatches(cfg) -> list[str]:
-    """What the peer (MHA, untied head, RMSNorm eps 1e-6, SwiGLU, bf16 autocast, no remat/accumulation) differs in."""
-    m, t = cfg.model, cfg.train
+    """What the peer (MHA, untied head, RMSNorm eps 1e-6, SwiGLU, bf16 autocast, no remat) differs in."""
+    m = cfg.model
     out = []
     if m.kv_heads != m.num_heads:
         out.append(f"model.num_kv_heads={m.kv_heads} != num_heads={m.num_heads} (peer is MHA)")
@@ -192,8 +194,8 @@ def peer_mismatches(cfg) -> list[str]:
         out.append(f"model.rope_theta={m.rope_theta} (peer uses {PEER_ROPE_THETA:g})")
     if m.dtype != "bfloat16":
         out.append(f"model.dtype={m.dtype} (peer computes in bf16 autocast)")
-    if t.micro_batch_size is not None:
-        out.append(f"train.micro_batch_size={t.micro_batch_size} (peer does no gradient accumulation)")
+    if m.remat != "none":
+        out.append(f"model.remat={m.remat} (peer recomputes nothing)")
     return out
 
 
@@ -340,7 +342,7 @@ def main_parent(args) -> int:
                                     f"global batch: the ratio compares totals, not per-device throughput")
                 for w in warnings:
                     print(f"  warning: peer cannot match: {w}", file=sys.stderr)
-                shape = tuple(sorted(peer_env(cfg).items()))
+                shape = tuple(sorted(peer_env(cfg, ours["accum_steps"]).items()))
                 if shape not in peers:  # after our subprocess has exited and released the device
                     peers[shape] = run_peer(args, dict(shape))
                     if "error" in peers[shape]:
